@@ -1,0 +1,404 @@
+"""Eviction-policy benchmark: HBM hit ratio of embcache's policies against reference policies.
+
+Command (from the repository root)::
+
+    .venv/bin/python bench/bench_policy.py [--quick] [--references-only]
+
+For each workload (stationary Zipf with alpha 0.8, 1.05 and 1.2; drifting popularity; bursts of
+cold keys; Zipf mixed with one-hit-wonder scans; see ``bench/workloads.py``) and each capacity
+(0.1%, 1% and 5% of the key space), it measures the hit ratio of
+
+- the exact reference simulators of ``bench/reference_policies.py``: LRU, LFU (admission-free),
+  W-TinyLFU (Caffeine's design) and OPT (Belady's MIN with bypass, the offline upper bound);
+- embcache's policies ("lrfu", "lru", "lfu") run through the real :class:`embcache.EmbeddingCache`
+  (HBM tier sized to the capacity in rows, no DDR tier, RocksDB below): the trace is looked up in
+  batches of ``--batch-size`` keys and the hit ratio is ``stats()[t]["hbm"]["hits"] / lookups``.
+
+The real cache counts a key occurrence as an HBM hit only if the row was in HBM when its batch
+arrived, so repeats inside a batch of a row that was not cannot hit, while the sequential
+references count them. The share of such within-batch repeats (an upper bound of that effect)
+is reported per workload as ``batch_repeat_share``.
+
+Outputs: a Markdown table per workload and a summary at 1% capacity (printed), the numbers as
+JSON in ``bench/results/policy.json`` and a plot of hit ratio against capacity per workload in
+``bench/results/policy.png``. ``--quick`` runs a smaller key space and trace (a few minutes);
+``--references-only`` skips embcache (no cache needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run as a script: make `bench` and `embcache` importable
+    sys.path.insert(0, str(_ROOT))
+
+from bench.reference_policies import REFERENCE_POLICIES  # noqa: E402
+from bench.workloads import bursty_trace, drifting_trace, scan_mix_trace, zipf_trace  # noqa: E402
+
+RESULTS_DIR = _ROOT / "bench" / "results"
+EMBCACHE_POLICIES = ("lrfu", "lru", "lfu")
+CAPACITY_FRACTIONS = (0.001, 0.01, 0.05)
+SUMMARY_FRACTION = 0.01
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named trace generator: ``make(n_accesses, n_keys, seed) -> keys``."""
+
+    name: str
+    description: str
+    make: Callable[[int, int, int], np.ndarray]
+
+
+WORKLOADS: tuple[Workload, ...] = (
+    Workload("zipf-0.8", "stationary Zipf, alpha 0.8", lambda n, k, s: zipf_trace(n, k, 0.8, seed=s)),
+    Workload("zipf-1.05", "stationary Zipf, alpha 1.05", lambda n, k, s: zipf_trace(n, k, 1.05, seed=s)),
+    Workload("zipf-1.2", "stationary Zipf, alpha 1.2", lambda n, k, s: zipf_trace(n, k, 1.2, seed=s)),
+    Workload(
+        "drifting",
+        "Zipf 1.0; 20 phases, each replacing 30% of the top-5% ranks with cold keys",
+        lambda n, k, s: drifting_trace(n, k, alpha=1.0, n_phases=20, hot_fraction=0.05, drift=0.3, seed=s),
+    ),
+    Workload(
+        "bursty",
+        "Zipf 1.0 background; 100 bursts of n/200 accesses, half of them to n_keys/5000 fresh cold keys",
+        lambda n, k, s: bursty_trace(n, k, alpha=1.0, n_bursts=100, intensity=0.5, seed=s),
+    ),
+    Workload(
+        "scan-mix",
+        "Zipf 1.0; 30% of blocks of n_keys/100 accesses are scans of never-repeated keys",
+        lambda n, k, s: scan_mix_trace(n, k, alpha=1.0, scan_fraction=0.3, seed=s),
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# embcache through its public API
+
+
+def _import_embcache() -> tuple[Any, Any, Any]:
+    """(EmbeddingCache, CacheConfig, TableConfig); raises ImportError when the cache is missing."""
+    from embcache import CacheConfig, EmbeddingCache, TableConfig
+
+    return EmbeddingCache, CacheConfig, TableConfig
+
+
+def embcache_hit_ratio(trace: np.ndarray, capacity_rows: int, policy: str, batch_size: int) -> dict[str, Any]:
+    """Replay ``trace`` through a real EmbeddingCache; its HBM hit ratio and what was measured.
+
+    Args:
+        trace: int64 keys, one per access.
+        capacity_rows: rows the HBM tier should hold (>= 1).
+        policy: embcache policy name ("lrfu", "lru" or "lfu").
+        batch_size: keys per ``lookup`` call.
+
+    Returns:
+        ``{"hit_ratio", "capacity_rows" (as the cache resolved it), "seconds", "stats"}``.
+
+    Raises:
+        ImportError: embcache is not importable.
+        Exception: whatever the cache raises.
+    """
+    import torch
+
+    embedding_cache, cache_config, table_config = _import_embcache()
+    table = table_config(name="t", dim=4, optimizer="sgd")
+    with tempfile.TemporaryDirectory(prefix="embcache-bench-") as tmp:
+        # Probe the per-row cost, then size HBM to exactly capacity_rows rows.
+        probe_cfg = cache_config(hbm_bytes=1 << 20, ddr_bytes=0, path=str(Path(tmp) / "probe"), store="rocksdb")
+        with embedding_cache(probe_cfg, tables=[table]) as probe:
+            row_bytes = int(probe.row_bytes("t"))
+        cfg = cache_config(
+            hbm_bytes=capacity_rows * row_bytes,
+            ddr_bytes=0,
+            path=str(Path(tmp) / "cache"),
+            store="rocksdb",
+            policy=policy,
+            halflife=None,
+        )
+        t0 = time.perf_counter()
+        with embedding_cache(cfg, tables=[table]) as cache:
+            resolved_rows = int(cache.capacity_rows("t")["hbm"])
+            keys = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64))
+            for start in range(0, keys.numel(), batch_size):
+                cache.lookup("t", keys[start : start + batch_size])
+            stats = cache.stats()["t"]
+        seconds = time.perf_counter() - t0
+    lookups = int(stats["lookups"])
+    return {
+        "hit_ratio": stats["hbm"]["hits"] / lookups if lookups else 0.0,
+        "capacity_rows": resolved_rows,
+        "seconds": seconds,
+        "stats": {"lookups": lookups, "hbm": stats["hbm"], "ssd": stats["ssd"]},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+
+
+def batch_repeat_share(trace: np.ndarray, batch_size: int) -> float:
+    """Share of accesses that repeat a key already seen earlier in the same batch."""
+    if trace.size == 0:
+        return 0.0
+    _, dense = np.unique(trace, return_inverse=True)
+    dense = dense.reshape(-1).astype(np.int64)
+    batch = np.arange(trace.size, dtype=np.int64) // batch_size
+    distinct = np.unique(batch * (int(dense.max()) + 1) + dense).size
+    return 1.0 - distinct / trace.size
+
+
+def run_workload(
+    workload: Workload,
+    n_accesses: int,
+    n_keys: int,
+    seed: int,
+    fractions: Sequence[float],
+    embcache_policies: Sequence[str],
+    batch_size: int,
+) -> dict[str, Any]:
+    """All policies on one workload at every capacity; prints progress as it goes."""
+    t0 = time.perf_counter()
+    trace = workload.make(n_accesses, n_keys, seed)
+    print(
+        f"\n== {workload.name}: {workload.description} "
+        f"({trace.size:,} accesses, {np.unique(trace).size:,} distinct keys, "
+        f"generated in {time.perf_counter() - t0:.2f}s)",
+        flush=True,
+    )
+    capacities = [max(1, round(f * n_keys)) for f in fractions]
+    result: dict[str, Any] = {
+        "description": workload.description,
+        "n_accesses": int(trace.size),
+        "distinct_keys": int(np.unique(trace).size),
+        "batch_repeat_share": batch_repeat_share(trace, batch_size),
+        "capacity_fractions": list(fractions),
+        "capacities": capacities,
+        "hit_ratio": {},
+        "seconds": {},
+        "errors": {},
+    }
+    for name, sim in REFERENCE_POLICIES.items():
+        ratios: list[float] = []
+        secs: list[float] = []
+        for cap in capacities:
+            t1 = time.perf_counter()
+            ratios.append(float(sim(trace, cap)))
+            secs.append(time.perf_counter() - t1)
+        result["hit_ratio"][name] = ratios
+        result["seconds"][name] = secs
+        print(f"  {name:<16} " + "  ".join(f"{r:.4f}" for r in ratios) + f"   ({sum(secs):.2f}s)", flush=True)
+    for policy in embcache_policies:
+        name = f"embcache-{policy}"
+        ratios = []
+        secs = []
+        resolved: list[int | None] = []
+        for cap in capacities:
+            try:
+                run = embcache_hit_ratio(trace, cap, policy, batch_size)
+            except Exception as exc:  # record and go on: one failing configuration must not hide the rest
+                result["errors"].setdefault(name, []).append(f"capacity {cap}: {type(exc).__name__}: {exc}")
+                print(f"  {name:<16} capacity {cap}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                ratios.append(math.nan)
+                secs.append(math.nan)
+                resolved.append(None)
+                continue
+            ratios.append(run["hit_ratio"])
+            secs.append(run["seconds"])
+            resolved.append(run["capacity_rows"])
+        result["hit_ratio"][name] = ratios
+        result["seconds"][name] = secs
+        result.setdefault("embcache_capacity_rows", {})[name] = resolved
+        print(f"  {name:<16} " + "  ".join(f"{r:.4f}" for r in ratios) + f"   ({np.nansum(secs):.1f}s)", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _fmt(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.4f}"
+
+
+def workload_table(name: str, res: dict[str, Any]) -> str:
+    """Markdown table of one workload: a row per policy, a column per capacity."""
+    head = [f"{f * 100:g}% ({c:,} rows)" for f, c in zip(res["capacity_fractions"], res["capacities"], strict=True)]
+    lines = [
+        f"### {name}: {res['description']}",
+        "",
+        "| policy | " + " | ".join(head) + " |",
+        "| --- | " + " | ".join("---:" for _ in head) + " |",
+    ]
+    for policy, ratios in res["hit_ratio"].items():
+        lines.append(f"| {policy} | " + " | ".join(_fmt(r) for r in ratios) + " |")
+    return "\n".join(lines)
+
+
+def summary_table(results: dict[str, dict[str, Any]], fraction: float) -> str:
+    """Markdown table: a row per workload, a column per policy, at capacity ``fraction``."""
+    policies: list[str] = []
+    for res in results.values():
+        policies += [p for p in res["hit_ratio"] if p not in policies]
+    lines = [
+        f"### Hit ratio at {fraction * 100:g}% capacity",
+        "",
+        "| workload | " + " | ".join(policies) + " |",
+        "| --- | " + " | ".join("---:" for _ in policies) + " |",
+    ]
+    for name, res in results.items():
+        fracs = res["capacity_fractions"]
+        if fraction not in fracs:
+            continue
+        i = fracs.index(fraction)
+        cells = [_fmt(res["hit_ratio"][p][i]) if p in res["hit_ratio"] else "" for p in policies]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Hit ratio against capacity (log x), one panel per workload, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    cols = min(3, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.0 * rows), squeeze=False)
+    styles = {
+        "OPT": ("k", "--"),
+        "LRU": ("tab:blue", ":"),
+        "LFU": ("tab:orange", ":"),
+        "W-TinyLFU": ("tab:green", "-."),
+        "W-TinyLFU-adaptive": ("tab:olive", "-."),
+    }
+    own = iter(["tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:cyan"])
+    colors: dict[str, tuple[str, str]] = {}
+    for ax, (name, res) in zip(axes.flat, results.items(), strict=False):
+        x = [f * 100 for f in res["capacity_fractions"]]
+        for policy, ratios in res["hit_ratio"].items():
+            if policy not in colors:
+                colors[policy] = styles.get(policy) or (next(own, "tab:gray"), "-")
+            color, style = colors[policy]
+            width = 2.2 if policy.startswith("embcache") else 1.4
+            ax.plot(x, ratios, style, color=color, marker="o", ms=3.5, lw=width, label=policy)
+        ax.set_xscale("log")
+        ax.set_xticks(x, [f"{v:g}%" for v in x])
+        ax.minorticks_off()
+        ax.set_title(name)
+        ax.set_xlabel("HBM capacity (share of the key space)")
+        ax.set_ylabel("hit ratio")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="200k keys, 500k accesses (default 1M keys, 2M accesses)")
+    p.add_argument("--references-only", action="store_true", help="skip embcache; reference simulators only")
+    p.add_argument("--n-keys", type=int, default=None, help="key space size")
+    p.add_argument("--n-accesses", type=int, default=None, help="trace length")
+    p.add_argument("--batch-size", type=int, default=256, help="keys per embcache lookup (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    p.add_argument(
+        "--capacities", type=float, nargs="+", default=list(CAPACITY_FRACTIONS), help="fractions of the key space"
+    )
+    p.add_argument("--workloads", nargs="+", default=None, choices=[w.name for w in WORKLOADS], metavar="NAME")
+    p.add_argument("--policies", nargs="+", default=list(EMBCACHE_POLICIES), help="embcache policies to run")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
+    args = p.parse_args(argv)
+    args.n_keys = args.n_keys or (200_000 if args.quick else 1_000_000)
+    args.n_accesses = args.n_accesses or (500_000 if args.quick else 2_000_000)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the process exit status (1 if any embcache run failed)."""
+    args = parse_args(argv)
+    policies: list[str] = [] if args.references_only else list(args.policies)
+    if policies:
+        try:
+            _import_embcache()
+        except ImportError as exc:
+            print(f"embcache is not importable ({exc}); rerun with --references-only", file=sys.stderr)
+            return 2
+    workloads = [w for w in WORKLOADS if args.workloads is None or w.name in args.workloads]
+    print(
+        f"policy benchmark: {args.n_keys:,} keys, {args.n_accesses:,} accesses, capacities "
+        f"{', '.join(f'{f * 100:g}%' for f in args.capacities)} of the key space, embcache policies: "
+        f"{', '.join(policies) or 'none'} (batch {args.batch_size})",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    results = {
+        w.name: run_workload(w, args.n_accesses, args.n_keys, args.seed, args.capacities, policies, args.batch_size)
+        for w in workloads
+    }
+    print()
+    for name, res in results.items():
+        print(workload_table(name, res) + "\n")
+    print(summary_table(results, SUMMARY_FRACTION if SUMMARY_FRACTION in args.capacities else args.capacities[0]))
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "command": "bench/bench_policy.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "config": {
+            "n_keys": args.n_keys,
+            "n_accesses": args.n_accesses,
+            "batch_size": args.batch_size,
+            "seed": args.seed,
+            "capacity_fractions": args.capacities,
+            "embcache_policies": policies,
+            "quick": args.quick,
+        },
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "seconds": time.perf_counter() - t0,
+        "workloads": results,
+    }
+    (out / "policy.json").write_text(json.dumps(_json_safe(doc), indent=1) + "\n")
+    plot(results, out / "policy.png")
+    print(f"\nwrote {out / 'policy.json'} and {out / 'policy.png'} ({time.perf_counter() - t0:.0f}s)")
+    failed = any(res["errors"] for res in results.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""embcache: a hierarchical (HBM / DDR / SSD) embedding cache for training recommendation models.
+
+>>> from embcache import EmbeddingCache, CacheConfig, TableConfig
+>>> cache = EmbeddingCache(CacheConfig(path="./data"), tables=[TableConfig(name="user", dim=64)])
+"""
+
+from .cache import EmbeddingCache
+from .config import CacheConfig, TableConfig
+from .errors import (
+    BatchTooLargeError,
+    CacheClosedError,
+    CheckpointExistsError,
+    ConfigError,
+    EmbcacheError,
+    InvalidGradientError,
+    InvalidKeysError,
+    InvalidRowsError,
+    NonFiniteGradientError,
+    StoreError,
+    StoreFullError,
+    StoreLockedError,
+    TableConflictError,
+    UnknownTableError,
+)
+from .types import Initializer, Optimizer, PolicyName, StoreKind, Tier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchTooLargeError",
+    "CacheClosedError",
+    "CacheConfig",
+    "CheckpointExistsError",
+    "ConfigError",
+    "EmbcacheError",
+    "EmbeddingCache",
+    "Initializer",
+    "InvalidGradientError",
+    "InvalidKeysError",
+    "InvalidRowsError",
+    "NonFiniteGradientError",
+    "Optimizer",
+    "PolicyName",
+    "StoreError",
+    "StoreFullError",
+    "StoreKind",
+    "StoreLockedError",
+    "TableConfig",
+    "TableConflictError",
+    "Tier",
+    "UnknownTableError",
+]

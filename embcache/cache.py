@@ -1,0 +1,851 @@
+"""EmbeddingCache: embedding tables kept in HBM, DDR and an on-disk store, placed by frequency.
+
+Each row of a table lives in exactly one memory tier (HBM or DDR) or in none; the store holds
+every row ever written. A row in memory is authoritative; a dirty row is written back when it
+leaves memory (or on :meth:`EmbeddingCache.flush`). A row never written comes from the table's
+initializer, a pure function of (seed, key).
+
+Placement. Every lookup counts accesses (aged frequencies, see :mod:`embcache.policy`). Rows
+found below HBM are candidates for promotion: they fill free HBM slots, then replace the
+lowest-scored HBM rows whose score they beat (admission). Displaced HBM rows and rejected
+candidates compete the same way for DDR; what loses there leaves memory. All of this is
+planned on scores first, then dirty rows leaving memory are written to the store in one atomic
+batch, and only then is memory changed: a failing write (e.g. a full disk) changes nothing.
+
+Concurrency model. One re-entrant lock per table serializes that table's operations, store
+I/O included; different tables proceed in parallel (torch, numba and the store bindings release
+the GIL in their heavy parts). Whole-cache operations (flush, checkpoint, close) take every
+table lock in name order. The store itself is shared and thread-safe.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import CacheConfig, TableConfig
+from .errors import (
+    BatchTooLargeError,
+    CacheClosedError,
+    CheckpointExistsError,
+    ConfigError,
+    InvalidGradientError,
+    InvalidKeysError,
+    InvalidRowsError,
+    NonFiniteGradientError,
+    StoreLockedError,
+    TableConflictError,
+    UnknownTableError,
+)
+from .init import init_rows
+from .optim import OptimizerParams, apply_update, initial_state, state_width
+from .policy import Clock, FrequencySketch, Policy, make_policy
+from .stores import Store, open_store
+from .tier import MemoryTier, RowBatch
+from .types import Tier
+
+__all__ = ["EmbeddingCache"]
+
+_MANIFEST = "manifest.json"
+_FORMAT_VERSION = 1
+_LOCK_FILE = "embcache.lock"
+_STORE_DIR = "store"
+_MIN_SKETCH_WIDTH = 4096
+_MAX_SKETCH_WIDTH = 1 << 22
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass
+class _TierStats:
+    hits: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    write_backs: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _SsdStats:
+    hits: int = 0
+    created: int = 0
+    reads: int = 0
+    read_rows: int = 0
+    read_bytes: int = 0
+    writes: int = 0
+    write_rows: int = 0
+    write_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _TableStats:
+    lookups: int = 0
+    updates: int = 0
+    assigns: int = 0
+    hbm: _TierStats = field(default_factory=_TierStats)
+    ddr: _TierStats = field(default_factory=_TierStats)
+    ssd: _SsdStats = field(default_factory=_SsdStats)
+
+
+class _Table:
+    """One table's tiers, policy state and counters (guarded by ``lock``)."""
+
+    def __init__(self, cfg: TableConfig, hbm_rows: int, ddr_rows: int, device: torch.device,
+                 config: CacheConfig, policy: Policy) -> None:
+        self.cfg = cfg
+        self.lock = threading.RLock()
+        self.device = device
+        self.policy = policy
+        self.state_width = state_width(cfg.optimizer, cfg.dim)
+        dtype = cfg.torch_dtype
+        self.hbm = MemoryTier(Tier.HBM, hbm_rows, cfg.dim, self.state_width, dtype, device)
+        self.ddr = MemoryTier(Tier.DDR, ddr_rows, cfg.dim, self.state_width, dtype, torch.device("cpu"),
+                              pin=device.type == "cuda")
+        memory_rows = hbm_rows + ddr_rows
+        halflife = config.halflife if config.halflife is not None else float(max(4 * memory_rows, 1024))
+        self.clock = Clock(halflife if policy.aging else math.inf)
+        width = config.sketch_width or min(max(_next_pow2(4 * memory_rows), _MIN_SKETCH_WIDTH), _MAX_SKETCH_WIDTH)
+        self.sketch = FrequencySketch(width, device=torch.device("cpu"))
+        self.weight_bytes = cfg.dim * torch.empty(0, dtype=dtype).element_size()
+        self.record_bytes = self.weight_bytes + 4 * self.state_width
+        self.params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
+                                      weight_decay=cfg.weight_decay)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(cfg.seed & 0x7FFFFFFF)
+        self.stats = _TableStats()
+
+    def scores_of(self, tier: MemoryTier) -> Any:
+        """A callback giving the policy's scores of resident rows of ``tier`` at ``slots``."""
+        def score(slots: torch.Tensor) -> torch.Tensor:
+            return self.policy.score(tier.freq[slots], tier.last[slots], self.clock.now)
+        return score
+
+    def encode(self, rows: RowBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Keys (int64 [n]) and store records (uint8 [n, record_bytes]) of ``rows``."""
+        n = len(rows)
+        w = rows.weights.detach().to("cpu").contiguous().view(torch.uint8).reshape(n, self.weight_bytes)
+        s = rows.state.detach().to("cpu", torch.float32).contiguous().view(torch.uint8).reshape(n, -1)
+        return rows.keys.cpu().numpy(), torch.cat([w, s], dim=1).numpy()
+
+    def decode(self, records: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights (storage dtype [n, dim]) and state (float32 [n, S]) from store records."""
+        rec = torch.from_numpy(records)
+        n = rec.shape[0]
+        w = rec[:, :self.weight_bytes].contiguous().view(self.cfg.torch_dtype).reshape(n, self.cfg.dim)
+        s = rec[:, self.weight_bytes:].contiguous().view(torch.float32).reshape(n, self.state_width)
+        return w, s
+
+
+class EmbeddingCache:
+    """Embedding tables in a hierarchy of HBM, DDR and an on-disk store.
+
+    Args:
+        config: tiers, store and policy (see :class:`~embcache.CacheConfig`).
+        tables: tables to serve. Tables already in the store at ``config.path`` are reopened;
+            a table given here must agree with its stored definition in dim, optimizer, dtype
+            and initializer (learning rate and other hyper-parameters may change).
+
+    Raises:
+        ConfigError: a table is given twice, or the configuration is invalid.
+        TableConflictError: a table conflicts with its stored definition.
+        StoreLockedError: another process (or open cache) holds ``config.path``.
+        StoreError: the store could not be opened.
+    """
+
+    def __init__(self, config: CacheConfig, tables: Sequence[TableConfig] = ()) -> None:
+        self._config = config
+        self._closed = True
+        self._lock_fd: int | None = None
+        self._store: Store | None = None
+        os.makedirs(config.path, exist_ok=True)
+        self._acquire_path_lock()
+        try:
+            self._store = open_store(config.store, os.path.join(config.path, _STORE_DIR), **dict(config.store_options))
+            self._tables: dict[str, _Table] = {}
+            self._global_lock = threading.RLock()
+            self._device = config.torch_device
+            self._policy = make_policy(config.policy, config.admission)
+            self._open_tables(list(tables))
+        except BaseException:
+            self._release()
+            raise
+        self._closed = False
+
+    # ------------------------------------------------------------------ opening and closing
+    def _acquire_path_lock(self) -> None:
+        path = os.path.join(self._config.path, _LOCK_FILE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreLockedError(
+                f"store path {self._config.path!r} is held by another process or open cache (pid {holder}); "
+                "close it first or use another path") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def _release(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
+
+    def _open_tables(self, given: list[TableConfig]) -> None:
+        assert self._store is not None
+        names = [t.name for t in given]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"table names must be unique, got {names}")
+        raw = self._store.get_meta("tables")
+        stored = {d["name"]: TableConfig.from_dict(d) for d in json.loads(raw)} if raw else {}
+        merged = dict(stored)
+        for cfg in given:
+            old = stored.get(cfg.name)
+            if old is not None and old.layout_conflicts(cfg):
+                diffs = ", ".join(f"{f}: stored {getattr(old, f)!r}, given {getattr(cfg, f)!r}"
+                                  for f in old.layout_conflicts(cfg))
+                raise TableConflictError(f"table {cfg.name!r} conflicts with its stored definition ({diffs})")
+            merged[cfg.name] = cfg
+        configs = [merged[n] for n in sorted(merged)]
+        shares = sum(c.memory_share for c in configs) or 1.0
+        hbm_bytes = self._config.resolved_hbm_bytes()
+        ddr_bytes = self._config.resolved_ddr_bytes()
+        for cfg in configs:
+            width = state_width(cfg.optimizer, cfg.dim)
+            row_bytes = cfg.dim * torch.empty(0, dtype=cfg.torch_dtype).element_size() + 4 * width + 27
+            frac = cfg.memory_share / shares
+            t = _Table(cfg, int(hbm_bytes * frac) // row_bytes, int(ddr_bytes * frac) // row_bytes,
+                       self._device, self._config, self._policy)
+            self._store.open_table(cfg.name, t.record_bytes)
+            sketch = self._store.get_meta(f"sketch/{cfg.name}")
+            if sketch:
+                t.sketch.load_bytes(sketch)
+            clock = self._store.get_meta(f"clock/{cfg.name}")
+            if clock:
+                t.clock.load(json.loads(clock))
+            self._tables[cfg.name] = t
+        self._store.put_meta("tables", json.dumps([c.to_dict() for c in configs]).encode())
+
+    def close(self) -> None:
+        """Write every dirty row and the frequency state back, then release the store. Idempotent."""
+        if self._closed:
+            return
+        with self._all_tables():
+            if self._closed:
+                return
+            try:
+                self._flush_locked(save_frequencies=True)
+            finally:
+                self._closed = True
+                self._release()
+
+    def __enter__(self) -> EmbeddingCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a forgotten close must not leave the path locked in this process
+        if getattr(self, "_closed", True) is False:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def config(self) -> CacheConfig:
+        """The configuration this cache runs with."""
+        return self._config
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the HBM tier; lookups return rows there."""
+        return self._device
+
+    def tables(self) -> dict[str, TableConfig]:
+        """The tables this cache serves, by name."""
+        return {name: t.cfg for name, t in self._tables.items()}
+
+    def row_bytes(self, table: str) -> int:
+        """Bytes of memory one resident row of ``table`` costs (weights, optimizer state, bookkeeping)."""
+        return self._table(table).hbm.row_bytes
+
+    def capacity_rows(self, table: str) -> dict[str, int]:
+        """Rows of ``table`` each memory tier can hold: ``{"hbm": n, "ddr": m}``."""
+        t = self._table(table)
+        return {"hbm": t.hbm.capacity, "ddr": t.ddr.capacity}
+
+    # ------------------------------------------------------------------ validation
+    def _table(self, name: str) -> _Table:
+        if self._closed:
+            raise CacheClosedError("the cache is closed; open a new EmbeddingCache on the same path to continue")
+        try:
+            return self._tables[name]
+        except (KeyError, TypeError):
+            raise UnknownTableError(f"unknown table {name!r}; tables: {sorted(self._tables)}") from None
+
+    def _keys(self, keys: Any) -> torch.Tensor:
+        if isinstance(keys, np.ndarray):
+            if keys.dtype.kind not in "iu":
+                raise InvalidKeysError(f"keys must be an integer array, got dtype {keys.dtype}")
+            if keys.dtype == np.uint64 and keys.size and keys.max() > np.iinfo(np.int64).max:
+                raise InvalidKeysError("keys must fit in int64; got uint64 values above 2**63-1")
+            keys = torch.from_numpy(keys.astype(np.int64, copy=False))
+        elif not isinstance(keys, torch.Tensor):
+            try:
+                arr = np.asarray(keys)
+            except (ValueError, TypeError) as exc:
+                raise InvalidKeysError(f"keys must be a 1-D int64 tensor, got {type(keys).__name__}") from exc
+            if arr.size == 0:
+                arr = arr.astype(np.int64)
+            return self._keys(arr)
+        if keys.dtype in (torch.bool,) or keys.dtype.is_floating_point or keys.dtype.is_complex:
+            raise InvalidKeysError(f"keys must be an integer tensor (int64 preferred), got dtype {keys.dtype}")
+        if keys.dim() != 1:
+            raise InvalidKeysError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
+        if keys.numel() > self._config.max_batch_keys:
+            raise BatchTooLargeError(
+                f"batch of {keys.numel()} keys exceeds max_batch_keys={self._config.max_batch_keys}; split it")
+        if keys.device.type not in ("cpu", self._device.type):
+            raise InvalidKeysError(f"keys are on {keys.device}; allowed: cpu or {self._device}")
+        return keys.to(self._device, torch.int64)
+
+    def _rows_arg(self, what: str, values: Any, n: int, dim: int,
+                  err: type[InvalidGradientError] | type[InvalidRowsError]) -> torch.Tensor:
+        if not isinstance(values, torch.Tensor):
+            if isinstance(values, np.ndarray):
+                values = torch.from_numpy(values)
+            else:
+                raise err(f"{what} must be a float tensor of shape [{n}, {dim}], got {type(values).__name__}")
+        if not values.dtype.is_floating_point:
+            raise err(f"{what} must be floating point (float32 preferred), got dtype {values.dtype}")
+        if tuple(values.shape) != (n, dim):
+            raise err(f"{what} must have shape [{n}, {dim}] (one row per key, dim {dim}), got {tuple(values.shape)}")
+        if values.device.type not in ("cpu", self._device.type):
+            raise err(f"{what} are on {values.device}; allowed: cpu or {self._device}")
+        return values.to(self._device, torch.float32)
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, table: str, keys: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of ``keys``: float32 [n, dim] on the cache's device.
+
+        Args:
+            table: table name.
+            keys: int64 [n] (any integer dtype; tensor, numpy array or sequence); duplicates allowed.
+            out: optional float32 [n, dim] tensor on the cache's device to write into (saves an
+                allocation per batch).
+
+        Raises:
+            UnknownTableError, InvalidKeysError, BatchTooLargeError, CacheClosedError,
+            StoreError (the store failed; nothing changed).
+        """
+        t = self._table(table)
+        keys = self._keys(keys)
+        n, dim = keys.numel(), t.cfg.dim
+        if out is None:
+            out = torch.empty(n, dim, dtype=torch.float32, device=self._device)
+        elif out.shape != (n, dim) or out.dtype != torch.float32 or out.device != self._device:
+            raise InvalidRowsError(f"out must be float32 [{n}, {dim}] on {self._device}")
+        if n == 0:
+            return out
+        with t.lock:
+            self._table(table)  # closed while waiting for the lock?
+            t0 = time.perf_counter()
+            now, inc = t.clock.now, t.clock.increment()
+            slots = t.hbm.find(keys)
+            hit = slots >= 0
+            n_hit = int(hit.sum()) if t.hbm.capacity else 0
+            if n_hit == n:  # all hot: one gather straight into the output
+                if t.hbm.weights.dtype == torch.float32:
+                    torch.index_select(t.hbm.weights, 0, slots, out=out)
+                else:
+                    out.copy_(t.hbm.weights[slots])
+                t.hbm.touch(slots, torch.full((n,), inc, dtype=torch.float64, device=self._device), now)
+                t.stats.hbm.seconds += time.perf_counter() - t0
+            else:
+                hit_pos = torch.nonzero(hit).flatten()
+                if n_hit:
+                    hs = slots[hit_pos]
+                    out[hit_pos] = t.hbm.weights[hs].to(torch.float32)
+                    t.hbm.touch(hs, torch.full((n_hit,), inc, dtype=torch.float64, device=self._device), now)
+                t1 = time.perf_counter()
+                t.stats.hbm.seconds += t1 - t0
+                miss_pos = torch.nonzero(~hit).flatten()
+                ukeys, inverse, counts = torch.unique(keys[miss_pos], return_inverse=True, return_counts=True)
+                values = self._lookup_below_hbm(t, ukeys, counts, inc, now)
+                out[miss_pos] = values[inverse]
+            t.stats.lookups += n
+            t.stats.hbm.hits += n_hit
+            self._advance_clock(t, n)
+        return out
+
+    def _lookup_below_hbm(self, t: _Table, ukeys: torch.Tensor, counts: torch.Tensor, inc: float,
+                          now: int) -> torch.Tensor:
+        """Values (float32 [u, dim], cache device) of unique keys missing from HBM; places them."""
+        t1 = time.perf_counter()
+        cpu_keys, cpu_counts = ukeys.cpu(), counts.cpu()
+        dslots = t.ddr.find(cpu_keys)
+        in_ddr = dslots >= 0
+        values = torch.empty(ukeys.numel(), t.cfg.dim, dtype=torch.float32)
+        d_slots = dslots[in_ddr]
+        if d_slots.numel():
+            values[in_ddr] = t.ddr.weights[d_slots].to(torch.float32)
+            t.ddr.touch(d_slots, cpu_counts[in_ddr].to(torch.float64) * inc, now)
+            t.stats.ddr.hits += int(cpu_counts[in_ddr].sum())
+        t.stats.ddr.seconds += time.perf_counter() - t1
+        miss = ~in_ddr
+        staged = self._stage(t, cpu_keys[miss], cpu_counts[miss], inc, now)
+        values[miss] = staged.weights.to(torch.float32)
+        self._place(t, d_slots, staged)
+        return values.to(self._device)
+
+    def _stage(self, t: _Table, keys: torch.Tensor, counts: torch.Tensor | None, inc: float,
+               now: int) -> RowBatch:
+        """Rows of (unique, CPU) ``keys`` not in memory: read from the store or created; counted in the sketch."""
+        n = keys.numel()
+        weights = torch.empty(n, t.cfg.dim, dtype=t.cfg.torch_dtype)
+        state = torch.empty(n, t.state_width, dtype=torch.float32)
+        if n:
+            found, records = self._read_store(t, keys)
+            fmask = torch.from_numpy(found)
+            if fmask.any():
+                w, s = t.decode(records[found])
+                weights[fmask] = w
+                state[fmask] = s
+            new = ~fmask
+            if new.any():
+                weights[new] = init_rows(t.cfg.initializer, float(t.cfg.init_scale or 0.0), t.cfg.seed,
+                                         keys[new], t.cfg.dim, t.cfg.torch_dtype)
+                state[new] = initial_state(t.cfg.optimizer, t.cfg.dim, int(new.sum()), torch.device("cpu"),
+                                           t.cfg.initial_accumulator_value)
+            if counts is not None:
+                t.sketch.add(keys, counts.to(torch.float64) * inc)
+                t.stats.ssd.hits += int(counts[fmask].sum())
+                t.stats.ssd.created += int(counts[new].sum())
+        freq = t.sketch.estimate(keys) if n else torch.empty(0, dtype=torch.float64)
+        return RowBatch(keys, weights, state, freq, torch.full((n,), now, dtype=torch.int64),
+                        torch.zeros(n, dtype=torch.bool))
+
+    def _read_store(self, t: _Table, keys: torch.Tensor) -> Any:
+        assert self._store is not None
+        t0 = time.perf_counter()
+        found, records = self._store.get_many(t.cfg.name, keys.numpy())
+        st = t.stats.ssd
+        st.reads += 1
+        st.read_rows += int(found.sum())
+        st.read_bytes += int(found.sum()) * t.record_bytes
+        st.seconds += time.perf_counter() - t0
+        return np.asarray(found, dtype=bool), records
+
+    def _write_store(self, t: _Table, rows: RowBatch) -> None:
+        if len(rows) == 0:
+            return
+        assert self._store is not None
+        t0 = time.perf_counter()
+        keys, records = t.encode(rows)
+        self._store.put_many(t.cfg.name, keys, records)
+        st = t.stats.ssd
+        st.writes += 1
+        st.write_rows += len(rows)
+        st.write_bytes += records.nbytes
+        st.seconds += time.perf_counter() - t0
+
+    def _advance_clock(self, t: _Table, n: int) -> None:
+        factor = t.clock.advance(n)
+        if factor is not None:
+            t.hbm.scale_freq(factor)
+            t.ddr.scale_freq(factor)
+            t.sketch.scale(factor)
+
+    # ------------------------------------------------------------------ placement
+    def _admit(self, t: _Table, tier: MemoryTier, cand_scores: torch.Tensor, extra_free: int,
+               exclude: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plan which candidates enter ``tier``: (candidate indices admitted, victim slots displaced).
+
+        Candidates fill free slots best-first, then replace the lowest-scored rows they beat.
+        """
+        n = cand_scores.numel()
+        if n == 0 or tier.capacity == 0:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64, device=tier.device)
+        order = torch.argsort(cand_scores, descending=True, stable=True)
+        free = min(tier.free + extra_free, n)
+        want = min(n - free, tier.capacity)
+        victims = torch.empty(0, dtype=torch.int64, device=tier.device)
+        swaps = 0
+        if want > 0:
+            victims, vscores = tier.lowest(want, t.scores_of(tier), self._config.eviction_sample, exclude,
+                                           t.generator if tier.device == t.device else None)
+            m = victims.numel()
+            if m:
+                if t.policy.admission:
+                    # candidates descend and victims ascend, so the winners form a prefix
+                    beats = cand_scores[order[free:free + m]] > vscores.cpu()
+                    swaps = int(beats.sum())
+                else:
+                    swaps = m
+                victims = victims[:swaps]
+        return order[:free + swaps], victims
+
+    def _place(self, t: _Table, ddr_cands: torch.Tensor, staged: RowBatch) -> None:
+        """Move rows between tiers after an access (see the module docstring).
+
+        Args:
+            ddr_cands: DDR slots (unique) of rows just accessed: candidates for promotion to HBM.
+            staged: rows from below memory (CPU), candidates for HBM, then DDR.
+
+        Raises:
+            StoreError: writing back rows that leave memory failed; nothing changed.
+        """
+        now = t.clock.now
+        n_d = ddr_cands.numel()
+        d_scores = t.policy.score(t.ddr.freq[ddr_cands], t.ddr.last[ddr_cands], now)
+        s_scores = t.policy.score(staged.freq, staged.last, now)
+        # 1. HBM: promote the best of (DDR rows accessed, staged rows)
+        admitted_h, victims_h = self._admit(t, t.hbm, torch.cat([d_scores, s_scores]), 0, None)
+        from_ddr = admitted_h[admitted_h < n_d]
+        from_staged = admitted_h[admitted_h >= n_d] - n_d
+        promote_slots = ddr_cands[from_ddr]
+        staged_left = torch.ones(len(staged), dtype=torch.bool)
+        staged_left[from_staged] = False
+        rest = staged.select(staged_left)
+        # 2. DDR: rows displaced from HBM and staged rows HBM did not take
+        hv_rows = t.hbm.read(victims_h).to(torch.device("cpu"))
+        cands = RowBatch.cat([hv_rows, rest])
+        c_scores = t.policy.score(cands.freq, cands.last, now)
+        exclude = None
+        if promote_slots.numel():
+            exclude = torch.zeros(t.ddr.capacity, dtype=torch.bool)
+            exclude[promote_slots] = True
+        admitted_d, victims_d = self._admit(t, t.ddr, c_scores, promote_slots.numel(), exclude)
+        cand_in = torch.zeros(len(cands), dtype=torch.bool)
+        cand_in[admitted_d] = True
+        dv_rows = t.ddr.read(victims_d)
+        leaving = RowBatch.cat([dv_rows, cands.select(~cand_in)])
+        # 3. persist what leaves memory dirty; a failure here leaves everything as it was
+        self._write_store(t, leaving.select(leaving.dirty))
+        # 4. commit the moves
+        p_rows = t.ddr.read(promote_slots)
+        t.hbm.remove(victims_h)
+        t.ddr.remove(torch.cat([promote_slots, victims_d]))
+        t.hbm.insert(RowBatch.cat([p_rows, staged.select(from_staged)]))
+        t.ddr.insert(cands.select(cand_in))
+        if len(leaving):
+            t.sketch.raise_to(leaving.keys, leaving.freq)
+        n_hv = len(hv_rows)
+        t.stats.hbm.promotions += len(admitted_h)
+        t.stats.hbm.demotions += n_hv
+        t.stats.hbm.write_backs += int(hv_rows.dirty[~cand_in[:n_hv]].sum()) if n_hv else 0
+        t.stats.ddr.promotions += int(cand_in[n_hv:].sum())
+        t.stats.ddr.demotions += len(dv_rows)
+        t.stats.ddr.write_backs += int(dv_rows.dirty.sum())
+
+    # ------------------------------------------------------------------ updates
+    def apply_gradients(self, table: str, keys: Any, grads: torch.Tensor) -> None:
+        """Apply the table's optimizer to the rows of ``keys``; gradients of duplicate keys are summed.
+
+        Args:
+            table: table name.
+            keys: int64 [n] (duplicates allowed).
+            grads: floating [n, dim] on the cache's device or the CPU.
+
+        Raises:
+            UnknownTableError, InvalidKeysError, InvalidGradientError,
+            NonFiniteGradientError (NaN/inf, unless ``reject_nonfinite=False``), BatchTooLargeError,
+            CacheClosedError, StoreError (nothing changed).
+        """
+        t = self._table(table)
+        keys = self._keys(keys)
+        grads = self._rows_arg("gradients", grads, keys.numel(), t.cfg.dim, InvalidGradientError)
+        if self._config.reject_nonfinite and not bool(torch.isfinite(grads).all()):
+            raise NonFiniteGradientError(
+                "gradients contain NaN or inf; nothing was applied (pass reject_nonfinite=False to allow)")
+        if keys.numel() == 0:
+            return
+        ukeys, inverse = torch.unique(keys, return_inverse=True)
+        gsum = torch.zeros(ukeys.numel(), t.cfg.dim, dtype=torch.float32, device=self._device)
+        gsum.index_add_(0, inverse, grads)
+
+        def update(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            g = gsum[index.to(gsum.device)].to(weights.device)
+            return apply_update(t.cfg.optimizer, t.params, weights.to(torch.float32), state, g)
+
+        with t.lock:
+            self._table(table)
+            self._modify(t, ukeys, update)
+            t.stats.updates += keys.numel()
+
+    def assign(self, table: str, keys: Any, rows: torch.Tensor) -> None:
+        """Overwrite the rows of ``keys`` and reset their optimizer state; the last duplicate wins.
+
+        Args:
+            table: table name.
+            keys: int64 [n].
+            rows: floating [n, dim], finite.
+
+        Raises:
+            UnknownTableError, InvalidKeysError, InvalidRowsError, BatchTooLargeError,
+            CacheClosedError, StoreError (nothing changed).
+        """
+        t = self._table(table)
+        keys = self._keys(keys)
+        rows = self._rows_arg("rows", rows, keys.numel(), t.cfg.dim, InvalidRowsError)
+        if not bool(torch.isfinite(rows).all()):
+            raise InvalidRowsError("rows contain NaN or inf; nothing was assigned")
+        if keys.numel() == 0:
+            return
+        ukeys, inverse = torch.unique(keys, return_inverse=True)
+        position = torch.arange(keys.numel(), device=self._device)
+        last = torch.zeros(ukeys.numel(), dtype=torch.int64, device=self._device)
+        last.scatter_reduce_(0, inverse, position, reduce="amax", include_self=False)
+        new_rows = rows[last]
+
+        def overwrite(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            init = initial_state(t.cfg.optimizer, t.cfg.dim, index.numel(), state.device,
+                                 t.cfg.initial_accumulator_value)
+            return new_rows[index.to(new_rows.device)].to(weights.device), init
+
+        with t.lock:
+            self._table(table)
+            self._modify(t, ukeys, overwrite, read_store=False)
+            t.stats.assigns += keys.numel()
+
+    def _modify(self, t: _Table, ukeys: torch.Tensor, fn: Any, read_store: bool = True) -> None:
+        """Replace rows of unique ``ukeys`` by ``fn(weights, state, index) -> (weights, state)``.
+
+        Resident rows change in place; the rest are staged (read or created), changed and placed.
+        On a store failure the resident rows are restored and the error re-raised.
+        """
+        hslots = t.hbm.find(ukeys)
+        in_h = hslots >= 0
+        h_idx = torch.nonzero(in_h).flatten()
+        h_slots = hslots[h_idx]
+        rest_idx = torch.nonzero(~in_h).flatten().cpu()
+        rest_keys = ukeys.cpu()[rest_idx]
+        dslots = t.ddr.find(rest_keys)
+        in_d = dslots >= 0
+        d_idx, d_slots = rest_idx[in_d], dslots[in_d]
+        s_idx = rest_idx[~in_d]
+        undo = []
+        for tier, slots, idx in ((t.hbm, h_slots, h_idx), (t.ddr, d_slots, d_idx)):
+            if slots.numel():
+                old = (tier.weights[slots].clone(), tier.state[slots].clone(), tier.dirty[slots].clone())
+                w, s = fn(tier.weights[slots], tier.state[slots], idx)
+                tier.write(slots, w, s)
+                undo.append((tier, slots, old))
+        now, inc = t.clock.now, t.clock.increment()
+        skeys = rest_keys[~in_d]
+        if read_store:
+            staged = self._stage(t, skeys, None, inc, now)
+        else:
+            n = skeys.numel()
+            staged = RowBatch(skeys, torch.empty(n, t.cfg.dim, dtype=t.cfg.torch_dtype),
+                              torch.empty(n, t.state_width), t.sketch.estimate(skeys) if n else
+                              torch.empty(0, dtype=torch.float64), torch.full((n,), now, dtype=torch.int64),
+                              torch.zeros(n, dtype=torch.bool))
+        if len(staged):
+            w, s = fn(staged.weights, staged.state, s_idx)
+            staged.weights, staged.state = w.to(torch.device("cpu"), t.cfg.torch_dtype), s.cpu()
+            staged.dirty = torch.ones(len(staged), dtype=torch.bool)
+        try:
+            self._place(t, torch.empty(0, dtype=torch.int64), staged)
+        except BaseException:
+            for tier, slots, (w, s, d) in undo:
+                tier.weights[slots] = w
+                tier.state[slots] = s
+                tier.dirty[slots] = d
+            raise
+
+    # ------------------------------------------------------------------ persistence
+    @contextmanager
+    def _all_tables(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(self._global_lock)
+            for name in sorted(self._tables):
+                stack.enter_context(self._tables[name].lock)
+            yield
+
+    def _flush_locked(self, save_frequencies: bool) -> None:
+        assert self._store is not None
+        for name in sorted(self._tables):
+            t = self._tables[name]
+            for tier in (t.hbm, t.ddr):
+                slots = tier.dirty_slots()
+                if slots.numel():
+                    self._write_store(t, tier.read(slots))
+                    tier.dirty[slots] = False
+            if save_frequencies:
+                for tier in (t.hbm, t.ddr):
+                    slots = tier.occupied_slots()
+                    if slots.numel():
+                        t.sketch.raise_to(tier.keys[slots].cpu(), tier.freq[slots].cpu())
+                self._store.put_meta(f"sketch/{name}", t.sketch.to_bytes())
+                self._store.put_meta(f"clock/{name}", json.dumps(t.clock.state()).encode())
+        self._store.flush()
+
+    def flush(self) -> None:
+        """Write every dirty row to the store and make it durable (survives kill -9 and power loss).
+
+        Raises:
+            CacheClosedError, StoreError (rows stay dirty in memory; retry later).
+        """
+        if self._closed:
+            raise CacheClosedError("the cache is closed")
+        with self._all_tables():
+            if self._closed:
+                raise CacheClosedError("the cache is closed")
+            self._flush_locked(save_frequencies=False)
+
+    def checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        """Write a consistent snapshot of all tiers (rows, optimizer state, frequencies) to ``directory``.
+
+        Args:
+            directory: must not exist or be empty. It receives ``store/`` (a copy of the store:
+                RocksDB's checkpoint or an LMDB copy) and ``manifest.json``.
+
+        Raises:
+            CheckpointExistsError: ``directory`` is not empty.
+            CacheClosedError, StoreError.
+        """
+        directory = os.fspath(directory)
+        if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+            raise CheckpointExistsError(f"checkpoint directory {directory!r} exists and is not empty; "
+                                        "pass a new or empty directory")
+        if self._closed:
+            raise CacheClosedError("the cache is closed")
+        with self._all_tables():
+            if self._closed:
+                raise CacheClosedError("the cache is closed")
+            assert self._store is not None
+            self._flush_locked(save_frequencies=True)
+            os.makedirs(directory, exist_ok=True)
+            self._store.checkpoint(os.path.join(directory, _STORE_DIR))
+            manifest = {
+                "format": _FORMAT_VERSION,
+                "store": self._config.store,
+                "tables": [self._tables[n].cfg.to_dict() for n in sorted(self._tables)],
+                "clocks": {n: self._tables[n].clock.state() for n in sorted(self._tables)},
+                "created_unix": time.time(),
+            }
+            tmp = os.path.join(directory, _MANIFEST + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(manifest, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(directory, _MANIFEST))
+
+    @classmethod
+    def restore(cls, directory: str | os.PathLike[str], config: CacheConfig,
+                tables: Sequence[TableConfig] = ()) -> EmbeddingCache:
+        """Open a cache at ``config.path`` holding the checkpoint in ``directory``.
+
+        The capacities and policy come from ``config`` (any sizes); a checkpoint made with one
+        store backend can be restored into the other.
+
+        Raises:
+            ConfigError: ``directory`` holds no checkpoint, or ``config.path`` already holds a store.
+        """
+        directory = os.fspath(directory)
+        try:
+            with open(os.path.join(directory, _MANIFEST)) as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{directory!r} holds no embcache checkpoint ({_MANIFEST} missing)") from None
+        if manifest.get("format") != _FORMAT_VERSION:
+            raise ConfigError(f"checkpoint format {manifest.get('format')!r} is not supported (want {_FORMAT_VERSION})")
+        target = os.path.join(config.path, _STORE_DIR)
+        if os.path.exists(target) and os.listdir(target):
+            raise ConfigError(f"restore target {config.path!r} already holds a store; pass an empty path")
+        source = os.path.join(directory, _STORE_DIR)
+        os.makedirs(config.path, exist_ok=True)
+        if manifest["store"] == config.store:
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        else:
+            _copy_store(manifest, source, config, target)
+        return cls(config, tables)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Counters and occupancy per table and tier (plain dicts; see DESIGN.md).
+
+        ``lookups`` = hbm hits + ddr hits + ssd hits + ssd created (per key occurrence).
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for name in sorted(self._tables):
+            t = self._tables[name]
+            with t.lock:
+                s = t.stats
+                tiers: dict[str, Any] = {}
+                for tier, ts in ((t.hbm, s.hbm), (t.ddr, s.ddr)):
+                    tiers[tier.tier.value] = {
+                        "hits": ts.hits, "resident_rows": len(tier), "resident_bytes": len(tier) * tier.row_bytes,
+                        "capacity_rows": tier.capacity, "capacity_bytes": tier.capacity * tier.row_bytes,
+                        "promotions": ts.promotions, "demotions": ts.demotions, "write_backs": ts.write_backs,
+                        "seconds": ts.seconds,
+                    }
+                ssd = dict(vars(s.ssd))
+                out[name] = {"lookups": s.lookups, "updates": s.updates, "assigns": s.assigns,
+                             **tiers, "ssd": ssd}
+        return out
+
+    def resident_keys(self, table: str, tier: str) -> torch.Tensor:
+        """Keys (int64, CPU) of ``table`` resident in ``tier`` ("hbm" or "ddr"), for inspection."""
+        t = self._table(table)
+        with t.lock:
+            mt = {"hbm": t.hbm, "ddr": t.ddr}[Tier(tier).value]
+            return mt.keys[mt.occupied_slots()].cpu()
+
+
+def _copy_store(manifest: dict[str, Any], source: str, config: CacheConfig, target: str) -> None:
+    """Copy a checkpoint's store into a store of another backend (row by row batches, via scan)."""
+    src = open_store(manifest["store"], source)
+    dst = open_store(config.store, target, **dict(config.store_options))
+    try:
+        for table in src.tables():
+            tcfg = next((TableConfig.from_dict(d) for d in manifest["tables"] if d["name"] == table), None)
+            if tcfg is None:
+                continue
+            rb = tcfg.dim * torch.empty(0, dtype=tcfg.torch_dtype).element_size() + 4 * state_width(
+                tcfg.optimizer, tcfg.dim)
+            dst.open_table(table, rb)
+            for keys, records in src.scan(table):
+                dst.put_many(table, keys, records)
+        for name in _meta_names(manifest):
+            value = src.get_meta(name)
+            if value is not None:
+                dst.put_meta(name, value)
+        dst.flush()
+    finally:
+        src.close()
+        dst.close()
+
+
+def _meta_names(manifest: dict[str, Any]) -> Iterable[str]:
+    yield "tables"
+    for d in manifest["tables"]:
+        yield f"sketch/{d['name']}"
+        yield f"clock/{d['name']}"
+

@@ -1,0 +1,715 @@
+"""Key -> slot index of one memory tier, batched: every operation takes tensors, none loops over keys in Python.
+
+A tier holds up to ``capacity`` rows in preallocated tensors; the index maps int64 keys to slot
+numbers in ``[0, capacity)``. Keys may be *any* int64 value (negative, ``int64`` min/max, beyond
+2**53), so no key value can mark an empty entry: in both layouts below an entry is empty when its
+*slot* is -1, and the key stored next to an empty slot is ignored.
+
+Both implementations hash a key with the splitmix64 / murmur3 finalizer (:func:`mix64`), a
+bijection on 64 bits, so distinct keys never share a full hash, and patterned keys (multiples of a
+large power of two, consecutive ids) spread over the table.
+
+:class:`NumbaIndex` (CPU): open addressing with linear probing in a table of
+``next_pow2(2 * capacity)`` entries (load <= 50%, so a hit takes ~1.5 probes and a miss ~2.5 on
+average), stored as one ``int64 [T, 2]`` array of ``(key, slot)`` pairs so that a probe touches a
+single cache line. Deletion shifts the following entries of the cluster back (no tombstones, so
+probe lengths never degrade under churn). The kernels are numba ``@njit(cache=True, nogil=True)``
+functions working on numpy views of the torch tensors (``Tensor.numpy()``, no copies); ``find``
+runs in parallel over the batch once it is large enough to pay for waking the thread pool.
+The table never overflows: at most ``capacity`` of its >= ``2 * capacity`` entries are used.
+
+:class:`TorchIndex` (any device): bucketed two-choice hashing in one ``int64 [nb, 2, B]`` tensor
+(``[b, 0, :]`` keys, ``[b, 1, :]`` slots of bucket ``b``; ``nb`` a power of two, ``B`` = 16
+entries per bucket, sized for <= 50% load). Key ``k`` may live in bucket ``h1 = mix64(k) mod nb``
+or ``h2 = (mix64(k) >> 32) mod nb``. Inserts go to ``h1`` while it has room and to ``h2`` only
+when it is full, so at 50% load ~99.5% of keys sit in ``h1`` (Poisson(8) > 16 is rare) and
+``find`` on CPU gathers one 256-byte bucket row per key, then a second row only for the keys not
+found there (misses and the few spilled keys). On CUDA ``find`` gathers both rows at once instead,
+which costs bandwidth the GPU has but avoids a host synchronization. Keys of one insert batch that
+target the same bucket are resolved by sorting by bucket and giving the key of rank ``r`` within
+its bucket the ``r``-th free entry; keys that find both buckets full trigger a rebuild at twice
+``nb`` (each doubling adds a hash bit, so it terminates because full hashes are distinct).
+
+Neither class is thread-safe: the caller serializes access (the cache holds a lock per table).
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["KeyIndex", "NumbaIndex", "TorchIndex", "make_index", "mix64", "numba_available", "unmix64"]
+
+# splitmix64 finalizer multipliers (Stafford's "Mix13") and their inverses mod 2**64 (both are
+# odd), the latter for unmix64.
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+
+
+def _i64(v: int) -> int:
+    # The int64 with the same 64 bits (torch arithmetic is on signed int64).
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_M1_I64, _M2_I64 = _i64(_M1), _i64(_M2)
+_M1_INV_I64, _M2_INV_I64 = _i64(pow(_M1, -1, 1 << 64)), _i64(pow(_M2, -1, 1 << 64))
+# Byte k of this is 7 - k, so for a word with only byte i set (the value 1 << 8i), the top byte of
+# word * _BYTE_INDEX is i: the index of the set byte without a loop or a reduction.
+_BYTE_INDEX = 0x0001020304050607
+_BIG_ENDIAN = sys.byteorder == "big"  # bool -> bytes views put column 0 in the top byte there
+# torch has no unsigned 64-bit shift: ``x >> s`` is arithmetic, so mask off the copied sign bits.
+_LOW34 = (1 << 34) - 1
+_LOW37 = (1 << 37) - 1
+_LOW33 = (1 << 33) - 1
+
+# Below this many keys a parallel numba find costs more in thread wake-up than it saves.
+_PARALLEL_MIN = 8192
+
+
+def mix64(keys: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finalizer of each key, computed in wrapping int64 arithmetic.
+
+    Args:
+        keys: int64 [n], any device.
+
+    Returns:
+        int64 [n]: the 64-bit hash bit patterns (a bijection of the keys), same device.
+    """
+    x = keys ^ ((keys >> 30) & _LOW34)
+    x.mul_(_M1_I64)
+    x ^= (x >> 27) & _LOW37
+    x.mul_(_M2_I64)
+    x ^= (x >> 31) & _LOW33
+    return x
+
+
+def _unxorshift(x: torch.Tensor, shift: int) -> torch.Tensor:
+    # Inverse of x ^ (x >>> shift): each round fixes ``shift`` more of the high bits.
+    low = (1 << (64 - shift)) - 1
+    y = x
+    for _ in range(64 // shift):
+        y = x ^ ((y >> shift) & low)
+    return y
+
+
+def unmix64(h: torch.Tensor) -> torch.Tensor:
+    """The keys whose :func:`mix64` is ``h`` (the finalizer is a bijection).
+
+    Args:
+        h: int64 [n] hash bit patterns, any device.
+
+    Returns:
+        int64 [n] keys with ``mix64(keys) == h``.
+    """
+    x = _unxorshift(h, 31) * _M2_INV_I64
+    x = _unxorshift(x, 27) * _M1_INV_I64
+    return _unxorshift(x, 30)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class KeyIndex(abc.ABC):
+    """Batched map from int64 keys to int64 slots of one tier.
+
+    Args:
+        capacity: the most keys it must hold at once (>= 1).
+        device: where the keys, slots and the index itself live.
+    """
+
+    capacity: int
+    device: torch.device
+
+    def __init__(self, capacity: int, device: torch.device | str) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = int(capacity)
+        self.device = torch.device(device)
+        self._len = 0
+
+    @abc.abstractmethod
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slots of ``keys``.
+
+        Args:
+            keys: int64 [n] on ``self.device``; duplicates allowed.
+
+        Returns:
+            int64 [n] slots on ``self.device``, -1 where a key is absent.
+        """
+
+    @abc.abstractmethod
+    def insert(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Map ``keys[i]`` to ``slots[i]``.
+
+        Never fails while ``len(self) + n <= capacity`` (the index rehashes internally if it must).
+
+        Args:
+            keys: int64 [n] on ``self.device``, unique and currently absent (not checked).
+            slots: int64 [n] on ``self.device``.
+
+        Raises:
+            RuntimeError: if ``len(self) + n > capacity`` (nothing is changed).
+        """
+
+    @abc.abstractmethod
+    def erase(self, keys: torch.Tensor) -> None:
+        """Remove ``keys``.
+
+        Args:
+            keys: int64 [n] on ``self.device``, unique and present (absent ones are ignored).
+        """
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Remove every key."""
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(len={self._len}, capacity={self.capacity}, device={self.device})"
+
+    def _check_room(self, n: int) -> None:
+        if self._len + n > self.capacity:
+            raise RuntimeError(f"{type(self).__name__}: inserting {n} keys into {self._len} of "
+                               f"capacity {self.capacity} would exceed it")
+
+
+# ------------------------------------------------------------------------------------------------
+# TorchIndex
+# ------------------------------------------------------------------------------------------------
+
+
+class TorchIndex(KeyIndex):
+    """Bucketed two-choice hash table with a small stash, in plain torch ops (CPU or CUDA).
+
+    Args:
+        capacity: the most keys it must hold at once (>= 1).
+        device: where the table lives.
+        bucket_width: entries per bucket ``B``; one bucket of keys is ``B * 8`` bytes.
+    """
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", bucket_width: int = 16) -> None:
+        super().__init__(capacity, device)
+        if bucket_width < 8 or bucket_width % 8:
+            raise ValueError(f"bucket_width must be a positive multiple of 8, got {bucket_width}")
+        self.bucket_width = int(bucket_width)
+        # First column of each 8-column word of a match row of up to two buckets.
+        self._word_base = torch.arange(0, 2 * bucket_width, 8, dtype=torch.int64, device=self.device)
+        # <= 50% load at capacity; >= 2 buckets so that every bucket has a filler key (below).
+        self._nb0 = max(2, _next_pow2(-(-2 * self.capacity // self.bucket_width)))
+        # Keys whose two buckets are both full wait here (a few per million at 50% load) rather
+        # than doubling the table; only a full stash forces growth.
+        self.stash_capacity = max(64, self.capacity // 256)
+        self._alloc(self._nb0)
+
+    def _alloc(self, nb: int) -> None:
+        self._nb = nb
+        b = torch.arange(nb, dtype=torch.int64, device=self.device)
+        # The filler of bucket b: a key whose two buckets are both b ^ 1, never b. Empty entries
+        # of bucket b hold it, so a key probing b (its h1 or h2 is b) cannot equal it: a key match
+        # is always a live entry, and find compares keys only, then reads one slot per key.
+        self._filler = unmix64((b ^ 1) | ((b ^ 1) << 32))
+        self._keys = self._filler[:, None].repeat(1, self.bucket_width)  # [nb, B]
+        self._slots = torch.full((nb, self.bucket_width), -1, dtype=torch.int64, device=self.device)  # -1: empty
+        self._stash_keys = torch.empty(0, dtype=torch.int64, device=self.device)  # sorted
+        self._stash_slots = torch.empty(0, dtype=torch.int64, device=self.device)
+
+    @property
+    def n_buckets(self) -> int:
+        """Current number of buckets (doubles only when the stash overflows)."""
+        return self._nb
+
+    @property
+    def n_stashed(self) -> int:
+        """Keys in the stash (their two buckets were full when they were inserted)."""
+        return int(self._stash_keys.numel())
+
+    def _bucket(self, h: torch.Tensor, second: bool) -> torch.Tensor:
+        # h1 takes the low bits, h2 bits 32..; the finalizer mixes both well.
+        return ((h >> 32) if second else h) & (self._nb - 1)
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slots of ``keys``.
+
+        Args:
+            keys: int64 [n] on ``self.device``; duplicates allowed.
+
+        Returns:
+            int64 [n] slots, -1 where a key is absent.
+        """
+        keys = keys.reshape(-1)
+        if keys.numel() == 0 or self._len == 0:
+            return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
+        h = mix64(keys)
+        if self.device.type == "cpu":
+            return self._find_two_pass(keys, h)
+        return self._find_one_pass(keys, h)
+
+    def _find_one_pass(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        # Both buckets in one gather and no host sync (the GPU path): bandwidth is cheap there,
+        # a synchronization is not.
+        b = torch.stack((self._bucket(h, False), self._bucket(h, True)), 1)  # [n, 2]
+        hit, pos = self._match(keys, b)
+        out = torch.where(hit, self._slots.view(-1).index_select(0, pos), -1)
+        if self.n_stashed:
+            out = torch.where(hit, out, self._stash_find(keys))
+        return out
+
+    def _find_two_pass(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        # The CPU path. Inserts fill h1 first, so nearly every present key is in its first
+        # bucket; the second bucket (and the stash) are searched only for the rest, mostly misses.
+        slots = self._slots.view(-1)
+        hit, pos = self._match(keys, self._bucket(h, False)[:, None])
+        out = torch.where(hit, slots.index_select(0, pos), -1)
+        rest = torch.nonzero(~hit).squeeze(1)
+        if rest.numel():
+            k = keys.index_select(0, rest)
+            hit, pos = self._match(k, self._bucket(h.index_select(0, rest), True)[:, None])
+            part = torch.where(hit, slots.index_select(0, pos), -1)
+            if self.n_stashed:
+                part = torch.where(hit, part, self._stash_find(k))
+            out.index_copy_(0, rest, part)
+        return out
+
+    def _match(self, keys: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where ``keys`` [n] sit in their candidate buckets ``b`` [n, c].
+
+        Returns:
+            (hit bool [n], flat entry index int64 [n] into the [nb * B] tables, valid where hit).
+        """
+        n, width = keys.shape[0], self.bucket_width
+        # index_select copies whole contiguous rows; advanced indexing is ~10x slower on CPU.
+        rows = self._keys.index_select(0, b.flatten()).view(n, -1)  # [n, c * B]
+        # A bucket holds a key at most once, so each 8-column word of the bool match row has at
+        # most one byte set. Read its column with a multiply (a byte-index de Bruijn trick)
+        # instead of argmax + gather over the row, which cost ~3x more on CPU.
+        words = (rows == keys[:, None]).view(torch.int64)  # [n, c * B / 8]
+        byte = ((words * _BYTE_INDEX) >> 56) & 0xFF
+        if _BIG_ENDIAN:
+            byte = 7 - byte
+        if words.shape[1] == 1:
+            hit, col = words[:, 0] != 0, byte[:, 0]
+        elif words.shape[1] == 2:
+            v0 = words[:, 0]
+            hit = (v0 | words[:, 1]) != 0
+            col = torch.where(v0 != 0, byte[:, 0], byte[:, 1] + 8)
+        else:
+            col = torch.where(words != 0, byte + self._word_base, -1).amax(1)
+            hit = col >= 0
+            col = col.clamp_(min=0)
+        if b.shape[1] == 1:
+            return hit, b[:, 0] * width + col
+        bucket = b.gather(1, torch.div(col, width, rounding_mode="floor")[:, None]).squeeze(1)
+        return hit, bucket * width + col % width
+
+    def _stash_find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slots of ``keys`` [n] in the stash, -1 where not stashed."""
+        last = self._stash_keys.numel() - 1
+        pos = torch.searchsorted(self._stash_keys, keys).clamp_(max=last)
+        return torch.where(self._stash_keys[pos] == keys, self._stash_slots[pos], -1)
+
+    def insert(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Map ``keys[i]`` to ``slots[i]``.
+
+        A key goes to the first free entry of its first bucket, else of its second, else to the
+        stash; a full stash doubles the buckets (rebuilding the table).
+
+        Args:
+            keys: int64 [n] on ``self.device``, unique and currently absent (not checked).
+            slots: int64 [n] on ``self.device``.
+
+        Raises:
+            RuntimeError: if ``len(self) + n > capacity`` (nothing is changed).
+        """
+        keys = keys.reshape(-1)
+        slots = slots.reshape(-1).to(torch.int64)
+        n = keys.numel()
+        if slots.numel() != n:
+            raise ValueError(f"{n} keys but {slots.numel()} slots")
+        self._check_room(n)
+        if n == 0:
+            return
+        k, s = keys, slots
+        while True:
+            h = mix64(k)
+            for second in (False, True):
+                left = ~self._place(k, s, self._bucket(h, second))
+                k, s, h = k[left], s[left], h[left]
+                if k.numel() == 0:
+                    self._len += n
+                    return
+            if self.n_stashed + k.numel() <= self.stash_capacity:
+                k, order = torch.sort(torch.cat((self._stash_keys, k)))
+                self._stash_keys, self._stash_slots = k, torch.cat((self._stash_slots, s))[order]
+                self._len += n
+                return
+            # Rebuild at twice the buckets with every live entry, the stash and the leftovers;
+            # each doubling adds a hash bit, and full hashes of distinct keys differ.
+            live = self._slots >= 0
+            k = torch.cat((self._keys[live], self._stash_keys, k))
+            s = torch.cat((self._slots[live], self._stash_slots, s))
+            self._alloc(self._nb * 2)
+
+    def _place(self, k: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Put each key in a free entry of its bucket ``b``; returns bool [m]: placed."""
+        order = torch.argsort(b, stable=True)
+        bs = b[order]
+        m = bs.numel()
+        pos = torch.arange(m, dtype=torch.int64, device=self.device)
+        start = torch.ones(m, dtype=torch.bool, device=self.device)
+        start[1:] = bs[1:] != bs[:-1]
+        # Rank of each key among the batch's keys for the same bucket.
+        rank = pos - torch.where(start, pos, 0).cummax(0).values
+        cfree = (self._slots.index_select(0, bs) < 0).cumsum(1)  # [m, B] free entries so far
+        ok_sorted = rank < cfree[:, -1]
+        # The key of rank r takes the (r+1)-th free entry: its column is the number of columns
+        # before the free count reaches r+1.
+        col = (cfree <= rank[:, None]).sum(1)
+        flat = (bs * self.bucket_width + col)[ok_sorted]
+        src = order[ok_sorted]
+        self._keys.view(-1).index_copy_(0, flat, k[src])
+        self._slots.view(-1).index_copy_(0, flat, s[src])
+        ok = torch.empty(m, dtype=torch.bool, device=self.device)
+        ok[order] = ok_sorted
+        return ok
+
+    def erase(self, keys: torch.Tensor) -> None:
+        """Remove ``keys``.
+
+        Args:
+            keys: int64 [n] on ``self.device``, unique and present (absent ones are ignored).
+        """
+        keys = keys.reshape(-1)
+        if keys.numel() == 0 or self._len == 0:
+            return
+        h = mix64(keys)
+        for second in (False, True):
+            b = self._bucket(h, second)
+            hit, pos = self._match(keys, b[:, None])
+            pos, b = pos[hit], b[hit]
+            self._slots.view(-1).index_fill_(0, pos, -1)
+            self._keys.view(-1).index_copy_(0, pos, self._filler.index_select(0, b))
+            self._len -= int(pos.numel())
+            keys, h = keys[~hit], h[~hit]
+            if keys.numel() == 0:
+                return
+        if self.n_stashed:
+            keep = ~torch.isin(self._stash_keys, keys)
+            self._stash_keys, self._stash_slots = self._stash_keys[keep], self._stash_slots[keep]
+            self._len -= int((~keep).sum())
+
+    def clear(self) -> None:
+        """Remove every key (and drop any growth, back to the initial size)."""
+        if self._nb != self._nb0:
+            self._alloc(self._nb0)
+        else:
+            self._keys.copy_(self._filler[:, None].expand_as(self._keys))
+            self._slots.fill_(-1)
+            self._stash_keys, self._stash_slots = self._stash_keys[:0], self._stash_slots[:0]
+        self._len = 0
+
+
+# ------------------------------------------------------------------------------------------------
+# NumbaIndex
+# ------------------------------------------------------------------------------------------------
+
+# The NumbaIndex kernels are plain functions here, compiled on first use by _numba_kernels() so
+# that numba stays optional and is imported only when a NumbaIndex is built. They are module-level
+# (not closures) because numba keys its on-disk cache on closure contents, and a closure over
+# another jitted function would miss the cache in every new process. The names they call
+# (_home, _lookup, _prefetch, _find_chunk, _prange) are globals that _numba_kernels() rebinds to
+# their numba versions before compiling the entry points.
+_M1_U64 = np.uint64(_M1)
+_M2_U64 = np.uint64(_M2)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_ONE = np.uint64(1)
+# Keys hashed and prefetched ahead of probing. A probe is a random access into a table much
+# larger than the caches; issuing the loads of a whole group first keeps many cache misses in
+# flight instead of one per mispredicted probe loop (2-3x the find rate). 128 lines = 8 KiB,
+# well inside L1.
+_GROUP = 128
+
+
+def _home_py(k: int, mask: Any) -> Any:
+    # mix64 in uint64 (mixing int64 with uint64 in numba would promote to float64), then the
+    # table index. Identical bits to mix64() above.
+    x = np.uint64(k)
+    x = (x ^ (x >> _S30)) * _M1_U64
+    x = (x ^ (x >> _S27)) * _M2_U64
+    return (x ^ (x >> _S31)) & mask
+
+
+def _prefetch_py(tab: Any, j: Any) -> None:
+    # Fallback when the LLVM prefetch intrinsic cannot be built: prefetching is only a hint.
+    pass
+
+
+def _lookup_py(tab: Any, k: int, j: Any, mask: Any) -> Any:
+    while True:
+        s = tab[j, 1]
+        if s < 0 or tab[j, 0] == k:
+            # A hit returns its slot; an empty entry (slot -1) ends the cluster: a miss.
+            return s
+        j = (j + _ONE) & mask
+
+
+def _find_chunk_py(tab: Any, keys: Any, out: Any, lo: int, hi: int, homes: Any) -> None:
+    mask = np.uint64(tab.shape[0] - 1)
+    for i in range(lo, hi):
+        h = _home(keys[i], mask)
+        homes[i - lo] = h
+        _prefetch(tab, h)
+    for i in range(lo, hi):
+        out[i] = _lookup(tab, keys[i], homes[i - lo], mask)
+
+
+def _find_serial_py(tab: Any, keys: Any, out: Any) -> None:
+    n = keys.shape[0]
+    homes = np.empty(_GROUP, np.uint64)
+    for lo in range(0, n, _GROUP):
+        _find_chunk(tab, keys, out, lo, min(lo + _GROUP, n), homes)
+
+
+def _find_parallel_py(tab: Any, keys: Any, out: Any) -> None:
+    n = keys.shape[0]
+    for c in _prange((n + _GROUP - 1) // _GROUP):
+        homes = np.empty(_GROUP, np.uint64)
+        lo = c * _GROUP
+        _find_chunk(tab, keys, out, lo, min(lo + _GROUP, n), homes)
+
+
+def _insert_py(tab: Any, keys: Any, slots: Any) -> None:
+    # Sequential: keys of one batch may share clusters. Load stays <= 50%, so the probe always
+    # reaches a free entry.
+    mask = np.uint64(tab.shape[0] - 1)
+    n = keys.shape[0]
+    homes = np.empty(_GROUP, np.uint64)
+    for lo in range(0, n, _GROUP):
+        hi = min(lo + _GROUP, n)
+        for i in range(lo, hi):
+            homes[i - lo] = _home(keys[i], mask)
+            _prefetch(tab, homes[i - lo])
+        for i in range(lo, hi):
+            j = homes[i - lo]
+            while tab[j, 1] >= 0:
+                j = (j + _ONE) & mask
+            tab[j, 0] = keys[i]
+            tab[j, 1] = slots[i]
+
+
+def _erase_py(tab: Any, keys: Any) -> int:
+    mask = np.uint64(tab.shape[0] - 1)
+    n = keys.shape[0]
+    homes = np.empty(_GROUP, np.uint64)
+    removed = 0
+    for lo in range(0, n, _GROUP):
+        hi = min(lo + _GROUP, n)
+        for i in range(lo, hi):
+            homes[i - lo] = _home(keys[i], mask)
+            _prefetch(tab, homes[i - lo])
+        for i in range(lo, hi):
+            k = keys[i]
+            j = homes[i - lo]
+            while tab[j, 1] >= 0 and tab[j, 0] != k:
+                j = (j + _ONE) & mask
+            if tab[j, 1] < 0:
+                continue  # absent
+            removed += 1
+            # Backward-shift deletion: walk the rest of the cluster and move back every entry
+            # whose home is not cyclically inside (hole, j], so each key stays reachable from
+            # its home and no tombstones accumulate.
+            hole = j
+            while True:
+                j = (j + _ONE) & mask
+                if tab[j, 1] < 0:
+                    break
+                h = _home(tab[j, 0], mask)
+                if ((j - h) & mask) >= ((j - hole) & mask):
+                    tab[hole, 0] = tab[j, 0]
+                    tab[hole, 1] = tab[j, 1]
+                    hole = j
+            tab[hole, 1] = -1
+    return removed
+
+
+_home: Any = _home_py
+_prefetch: Any = _prefetch_py
+_lookup: Any = _lookup_py
+_find_chunk: Any = _find_chunk_py
+_prange: Any = range
+_KERNELS: dict[str, Any] = {}
+_PARALLEL_LOCK = threading.Lock()
+
+
+def _prefetch_intrinsic(numba: Any) -> Any:
+    """A numba intrinsic ``prefetch(tab, j)``: LLVM's prefetch (read, high locality) of ``&tab[j, 0]``."""
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic  # type: ignore[misc]
+    def prefetch(typingctx: Any, tab: Any, j: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            zero = context.get_constant(numba.types.intp, 0)
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], zero])
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return numba.types.void(tab, j), codegen
+
+    return prefetch
+
+
+def _numba_kernels() -> dict[str, Any]:
+    """The compiled NumbaIndex kernels (loaded from numba's disk cache after the first run)."""
+    global _home, _prefetch, _lookup, _find_chunk, _prange
+    if _KERNELS:
+        return _KERNELS
+    import numba
+
+    inline = numba.njit(cache=True, nogil=True, inline="always")
+    tab_keys_out = "void(int64[:, ::1], int64[::1], int64[::1])"
+
+    def build(prefetch: Any) -> dict[str, Any]:
+        global _home, _prefetch, _lookup, _find_chunk, _prange
+        _home, _lookup, _prange, _prefetch = inline(_home_py), inline(_lookup_py), numba.prange, prefetch
+        _find_chunk = numba.njit(cache=True, nogil=True)(_find_chunk_py)
+        kernels: dict[str, Any] = {
+            "find_serial": numba.njit(tab_keys_out, cache=True, nogil=True)(_find_serial_py),
+            "find_parallel": numba.njit(tab_keys_out, cache=True, nogil=True, parallel=True)(_find_parallel_py),
+            "insert": numba.njit(tab_keys_out, cache=True, nogil=True)(_insert_py),
+            "erase": numba.njit("int64(int64[:, ::1], int64[::1])", cache=True, nogil=True)(_erase_py),
+        }
+        # Compile-or-load now, so that a failure surfaces here rather than mid-training.
+        tab = np.full((16, 2), -1, np.int64)
+        keys = np.arange(3, dtype=np.int64)
+        kernels["insert"](tab, keys, keys)
+        kernels["find_serial"](tab, keys, np.empty(3, np.int64))
+        kernels["erase"](tab, keys)
+        return kernels
+
+    try:
+        kernels = build(_prefetch_intrinsic(numba))
+    except Exception:  # an LLVM without this intrinsic: same kernels, no prefetch
+        kernels = build(inline(_prefetch_py))
+    _KERNELS.update(kernels)
+    return _KERNELS
+
+
+def numba_available() -> bool:
+    """Whether numba can be imported (NumbaIndex works)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class NumbaIndex(KeyIndex):
+    """Linear-probing hash table with numba kernels (CPU only).
+
+    Args:
+        capacity: the most keys it must hold at once (>= 1).
+        device: must be a CPU device.
+    """
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(capacity, device)
+        if self.device.type != "cpu":
+            raise ValueError(f"NumbaIndex runs on the CPU only, got device {self.device}")
+        self._k = _numba_kernels()
+        size = max(16, _next_pow2(2 * self.capacity))
+        # (key, slot) pairs; slot -1 marks an empty entry. The kernels see it through .numpy().
+        self._table = torch.full((size, 2), -1, dtype=torch.int64)
+        self._tab = self._table.numpy()
+
+    @property
+    def table_size(self) -> int:
+        """Entries in the open-addressing table (a power of two >= 2 * capacity)."""
+        return int(self._tab.shape[0])
+
+    @staticmethod
+    def _np(t: torch.Tensor) -> Any:
+        # A contiguous int64 numpy view (no copy when the tensor already is one).
+        return t.reshape(-1).to(torch.int64).contiguous().numpy()
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slots of ``keys``.
+
+        Args:
+            keys: int64 [n] CPU tensor; duplicates allowed.
+
+        Returns:
+            int64 [n] slots, -1 where a key is absent.
+        """
+        k = self._np(keys)
+        out = torch.empty(k.shape[0], dtype=torch.int64)
+        if k.shape[0] >= _PARALLEL_MIN:
+            # One parallel kernel at a time: numba's fallback "workqueue" threading layer aborts
+            # the process on concurrent launches (tables have separate locks). It already uses
+            # every core, so serializing costs nothing.
+            with _PARALLEL_LOCK:
+                self._k["find_parallel"](self._tab, k, out.numpy())
+        else:
+            self._k["find_serial"](self._tab, k, out.numpy())
+        return out
+
+    def insert(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Map ``keys[i]`` to ``slots[i]``.
+
+        Args:
+            keys: int64 [n] CPU tensor, unique and currently absent (not checked).
+            slots: int64 [n] CPU tensor.
+
+        Raises:
+            RuntimeError: if ``len(self) + n > capacity`` (nothing is changed).
+        """
+        k, s = self._np(keys), self._np(slots)
+        if k.shape[0] != s.shape[0]:
+            raise ValueError(f"{k.shape[0]} keys but {s.shape[0]} slots")
+        self._check_room(k.shape[0])
+        self._k["insert"](self._tab, k, s)
+        self._len += int(k.shape[0])
+
+    def erase(self, keys: torch.Tensor) -> None:
+        """Remove ``keys``.
+
+        Args:
+            keys: int64 [n] CPU tensor, unique and present (absent ones are ignored).
+        """
+        self._len -= int(self._k["erase"](self._tab, self._np(keys)))
+
+    def clear(self) -> None:
+        """Remove every key."""
+        self._table[:, 1].fill_(-1)
+        self._len = 0
+
+
+def make_index(capacity: int, device: torch.device | str) -> KeyIndex:
+    """The best index for ``device``: NumbaIndex on CPU when numba imports, else TorchIndex.
+
+    Args:
+        capacity: the most keys it must hold at once (>= 1).
+        device: where keys and slots live.
+    """
+    device = torch.device(device)
+    if device.type == "cpu" and numba_available():
+        try:
+            return NumbaIndex(capacity, device)
+        except Exception as e:  # numba present but unusable (e.g. its LLVM fails): still work
+            warnings.warn(f"NumbaIndex unavailable ({e!r}); using TorchIndex", RuntimeWarning, stacklevel=2)
+    return TorchIndex(capacity, device)

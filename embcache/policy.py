@@ -1,0 +1,192 @@
+"""Placement policy: aged access frequencies, eviction scores and a sketch for admission.
+
+Every eviction policy reduces to one score per row (the larger, the longer it stays), computed
+from two numbers the tiers keep for each resident row:
+
+- ``freq``: the row's *aged* access frequency. Each access at tick ``t`` adds
+  ``2 ** ((t - t0) / halflife)``; dividing by the current increment gives
+  ``sum over accesses of 2 ** -((now - t_i) / halflife)``, i.e. LRFU's combined
+  recency-frequency (Lee et al., 2001). With an infinite half-life it is a plain count (LFU).
+  Growing the increment instead of decaying every row makes an access O(1); when the increment
+  passes 2**40 every frequency is rescaled once (``Clock.renormalize``), like TinyLFU's halving.
+- ``last``: the tick of the row's last access (for LRU and user scores).
+
+A tick is one key occurrence in a lookup, so half-lives are measured in accesses.
+
+=========  ==========================================  =========
+policy     score                                       admission
+=========  ==========================================  =========
+lrfu       aged frequency (half-life ``halflife``)     yes
+lfu        access count (no aging)                     yes
+lru        tick of the last access                     no
+callable   ``fn(freq, last, now)``                     yes
+=========  ==========================================  =========
+
+Rows outside memory keep their aged frequency in a count-min sketch (:class:`FrequencySketch`),
+updated with the same increments, so a row coming up from the SSD is compared with the row it
+would displace in the same units (TinyLFU-style admission, Einziger et al., 2017).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import ScoreFn
+
+__all__ = ["Clock", "FrequencySketch", "Policy", "make_policy"]
+
+# Rescale all frequencies when the per-access increment passes this (float64 keeps ~2**-12
+# relative precision of the oldest counts at that ratio, and never overflows).
+_RENORMALIZE_AT = 2.0**40
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How rows are scored for eviction and whether admission applies."""
+
+    name: str
+    score: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    admission: bool
+    aging: bool
+
+
+def _score_freq(freq: torch.Tensor, last: torch.Tensor, now: int) -> torch.Tensor:
+    return freq
+
+
+def _score_last(freq: torch.Tensor, last: torch.Tensor, now: int) -> torch.Tensor:
+    return last.to(torch.float64)
+
+
+def make_policy(spec: str | ScoreFn, admission: bool) -> Policy:
+    """Build the policy named by ``spec`` ("lrfu", "lfu", "lru") or wrap a user score function."""
+    if callable(spec):
+        user = spec
+
+        def _score_user(freq: torch.Tensor, last: torch.Tensor, now: int) -> torch.Tensor:
+            out = user(freq, last, now)
+            if not isinstance(out, torch.Tensor) or out.shape != freq.shape:
+                raise TypeError(f"user score function must return a tensor of shape {tuple(freq.shape)}")
+            return out.to(torch.float64)
+
+        return Policy("custom", _score_user, admission, aging=True)
+    table = {
+        "lrfu": Policy("lrfu", _score_freq, admission, aging=True),
+        "lfu": Policy("lfu", _score_freq, admission, aging=False),
+        "lru": Policy("lru", _score_last, False, aging=False),
+    }
+    return table[spec]
+
+
+class Clock:
+    """Per-table access counter and the aged-frequency increment.
+
+    Args:
+        halflife: accesses after which an access counts half; ``math.inf`` disables aging.
+    """
+
+    def __init__(self, halflife: float) -> None:
+        self.halflife = halflife
+        self.now = 0  # ticks (key occurrences looked up) so far
+        self.t0 = 0  # tick at which the increment is 1
+
+    def increment(self) -> float:
+        """Weight of one access at the current tick."""
+        if math.isinf(self.halflife):
+            return 1.0
+        return 2.0 ** ((self.now - self.t0) / self.halflife)
+
+    def advance(self, n: int) -> float | None:
+        """Move the clock ``n`` ticks on; returns a factor to rescale all frequencies by, or None."""
+        self.now += n
+        inc = self.increment()
+        if inc < _RENORMALIZE_AT:
+            return None
+        self.t0 = self.now
+        return 1.0 / inc
+
+    def state(self) -> dict[str, float]:
+        """Serializable state."""
+        return {"now": self.now, "t0": self.t0, "halflife": self.halflife}
+
+    def load(self, state: dict[str, float]) -> None:
+        """Restore from :meth:`state` (the half-life stays as configured, frequencies are rescaled)."""
+        self.now = int(state["now"])
+        self.t0 = int(state["t0"])
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer on int64 (wrapping multiply, logical shifts by masking)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * -7723592293110705685  # 0x94D049BB133111EB
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+class FrequencySketch:
+    """Count-min sketch of aged access frequencies for rows that are not in memory.
+
+    Args:
+        width: columns per row (power of two).
+        depth: independent hash rows (estimates take the minimum).
+        device: where the counters live (the device of the keys passed in).
+
+    Counters are float64 and receive the same increments as resident rows, so estimates are
+    upper bounds of the true aged frequency, comparable with resident scores.
+    """
+
+    _SEEDS = (0x1F123BB5, 0x5A5A5A5A, 0x2545F491, 0x6C8E9CF5)
+
+    def __init__(self, width: int, depth: int = 4, device: torch.device | None = None) -> None:
+        if width & (width - 1):
+            raise ValueError(f"sketch width must be a power of two, got {width}")
+        self.width = width
+        self.depth = depth
+        self.device = device or torch.device("cpu")
+        self.counts = torch.zeros(depth * width, dtype=torch.float64, device=self.device)
+        self._offsets = (torch.arange(depth, device=self.device) * width).unsqueeze(1)
+        self._seeds = torch.tensor(self._SEEDS[:depth], dtype=torch.int64, device=self.device).unsqueeze(1)
+
+    def _cells(self, keys: torch.Tensor) -> torch.Tensor:
+        """Flat counter positions [depth, n] of ``keys``."""
+        keys = keys.to(self.device)
+        h = _mix64(keys.unsqueeze(0) ^ (self._seeds * 0x9E3779B9))
+        return (h & (self.width - 1)) + self._offsets
+
+    def add(self, keys: torch.Tensor, amounts: torch.Tensor) -> None:
+        """Add ``amounts`` (float64 [n]) to the counters of ``keys`` (int64 [n], may repeat)."""
+        cells = self._cells(keys)
+        self.counts.index_add_(0, cells.reshape(-1), amounts.to(self.device, torch.float64).repeat(self.depth))
+
+    def estimate(self, keys: torch.Tensor) -> torch.Tensor:
+        """Upper-bound estimates (float64 [n]) of the aged frequency of ``keys``."""
+        return self.counts[self._cells(keys)].amin(dim=0)
+
+    def raise_to(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make every counter of ``keys`` at least ``values`` (rows leaving memory keep their score)."""
+        cells = self._cells(keys).reshape(-1)
+        vals = values.to(self.device, torch.float64).repeat(self.depth)
+        self.counts.scatter_reduce_(0, cells, vals, reduce="amax")
+
+    def scale(self, factor: float) -> None:
+        """Multiply every counter by ``factor`` (renormalization)."""
+        self.counts.mul_(factor)
+
+    def to_bytes(self) -> bytes:
+        """Serialize the counters (npy format)."""
+        buf = io.BytesIO()
+        np.save(buf, self.counts.cpu().numpy())
+        return buf.getvalue()
+
+    def load_bytes(self, data: bytes) -> None:
+        """Load counters from :meth:`to_bytes`; a sketch of another width is folded or ignored."""
+        arr = np.load(io.BytesIO(data))
+        if arr.shape == (self.depth * self.width,):
+            self.counts.copy_(torch.from_numpy(arr))

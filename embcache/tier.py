@@ -1,0 +1,224 @@
+"""A memory tier of one table: rows, optimizer state, frequencies, dirty bits and a key index.
+
+Storage is preallocated at the tier's capacity (in rows) on its device; nothing grows during
+training. Slots are handed out from a stack of free slots; the index maps keys to slots. All
+methods take and return batches as tensors; none loops over keys in Python. The caller (the
+cache) serializes access with the table's lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .index import make_index
+from .types import Tier
+
+__all__ = ["MemoryTier", "RowBatch"]
+
+
+@dataclass
+class RowBatch:
+    """Rows in transit between tiers: keys [n], weights [n, dim], state [n, S], freq, last, dirty [n]."""
+
+    keys: torch.Tensor
+    weights: torch.Tensor
+    state: torch.Tensor
+    freq: torch.Tensor
+    last: torch.Tensor
+    dirty: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[0])
+
+    def to(self, device: torch.device) -> RowBatch:
+        """The same rows on ``device``."""
+        return RowBatch(*(t.to(device, non_blocking=False) for t in self._fields()))
+
+    def select(self, index: torch.Tensor) -> RowBatch:
+        """Rows picked by a bool mask or an index tensor."""
+        return RowBatch(*(t[index.to(t.device)] for t in self._fields()))
+
+    @staticmethod
+    def cat(batches: list[RowBatch]) -> RowBatch:
+        """Concatenate batches (all on one device)."""
+        parts = [b._fields() for b in batches]
+        return RowBatch(*(torch.cat([p[i] for p in parts]) for i in range(6)))
+
+    def _fields(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.weights, self.state, self.freq, self.last, self.dirty)
+
+
+class MemoryTier:
+    """Fixed-capacity row storage with a key index.
+
+    Args:
+        tier: which tier this is (HBM or DDR), for stats and messages.
+        capacity: rows it can hold (0 disables it).
+        dim: embedding dimension.
+        state_width: float32 optimizer-state values per row.
+        dtype: storage dtype of the weights.
+        device: where the rows live.
+        pin: allocate in pinned host memory (DDR with CUDA present).
+    """
+
+    def __init__(self, tier: Tier, capacity: int, dim: int, state_width: int, dtype: torch.dtype,
+                 device: torch.device, pin: bool = False) -> None:
+        self.tier = tier
+        self.capacity = capacity
+        self.dim = dim
+        self.device = device
+        pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.weights = torch.zeros(capacity, dim, dtype=dtype, device=device, pin_memory=pin)
+        self.state = torch.zeros(capacity, state_width, dtype=torch.float32, device=device, pin_memory=pin)
+        self.freq = torch.zeros(capacity, dtype=torch.float64, device=device)
+        self.last = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.keys = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.occupied = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.pinned = torch.zeros(capacity, dtype=torch.bool, device=device)  # kept resident (passes)
+        self.index = make_index(max(capacity, 1), device)
+        # Free slots as a stack; popping from the end hands out low slots first.
+        self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
+        self._n_free = capacity
+
+    # -- sizes ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.capacity - self._n_free
+
+    @property
+    def free(self) -> int:
+        """Free slots."""
+        return self._n_free
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one resident row costs (weights, state and bookkeeping)."""
+        return (self.dim * self.weights.element_size() + self.state.shape[1] * 4
+                + 8 + 8 + 8 + 3)  # freq, last, key, occupied/dirty/pinned
+
+    # -- lookup --------------------------------------------------------------------------------
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slots (int64 [n], -1 where absent) of ``keys`` (int64 [n], any device)."""
+        if self.capacity == 0:
+            return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
+        return self.index.find(keys.to(self.device))
+
+    def touch(self, slots: torch.Tensor, amounts: torch.Tensor, now: int) -> None:
+        """Add ``amounts`` (float64 [n]) to the aged frequencies of ``slots`` (int64 [n], may repeat)."""
+        self.freq.index_add_(0, slots, amounts.to(self.device))
+        self.last.index_fill_(0, slots, now)
+
+    def read(self, slots: torch.Tensor) -> RowBatch:
+        """Copies of the rows at ``slots`` (no change to the tier)."""
+        slots = slots.to(self.device)
+        return RowBatch(self.keys[slots], self.weights[slots], self.state[slots], self.freq[slots],
+                        self.last[slots], self.dirty[slots])
+
+    def dirty_slots(self) -> torch.Tensor:
+        """Slots of resident rows that differ from their stored copy."""
+        return torch.nonzero(self.dirty & self.occupied).flatten()
+
+    def occupied_slots(self) -> torch.Tensor:
+        """Slots holding rows."""
+        return torch.nonzero(self.occupied).flatten()
+
+    # -- change --------------------------------------------------------------------------------
+    def write(self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
+        """Overwrite weights and state of resident rows and mark them dirty."""
+        slots = slots.to(self.device)
+        self.weights[slots] = weights.to(self.device, self.weights.dtype)
+        self.state[slots] = state.to(self.device)
+        self.dirty[slots] = True
+
+    def insert(self, rows: RowBatch) -> torch.Tensor:
+        """Place ``rows`` (keys unique and absent) in free slots; returns their slots.
+
+        Raises:
+            RuntimeError: more rows than free slots (a bug in the caller's planning).
+        """
+        n = len(rows)
+        if n > self._n_free:
+            raise RuntimeError(f"{self.tier.value} tier: {n} rows do not fit in {self._n_free} free slots")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        slots = self._free[self._n_free - n:self._n_free].clone()
+        self._n_free -= n
+        rows = rows.to(self.device)
+        self.keys[slots] = rows.keys
+        self.weights[slots] = rows.weights.to(self.weights.dtype)
+        self.state[slots] = rows.state
+        self.freq[slots] = rows.freq
+        self.last[slots] = rows.last
+        self.dirty[slots] = rows.dirty
+        self.occupied[slots] = True
+        self.pinned[slots] = False
+        self.index.insert(rows.keys, slots)
+        return slots
+
+    def remove(self, slots: torch.Tensor) -> None:
+        """Free the (unique, occupied) ``slots``; their rows are gone from this tier."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(self.device)
+        self.index.erase(self.keys[slots])
+        self.occupied[slots] = False
+        self.dirty[slots] = False
+        self.pinned[slots] = False
+        n = slots.numel()
+        self._free[self._n_free:self._n_free + n] = slots
+        self._n_free += n
+
+    def scale_freq(self, factor: float) -> None:
+        """Multiply every frequency by ``factor`` (clock renormalization)."""
+        self.freq.mul_(factor)
+
+    def clear(self) -> None:
+        """Drop every row (the caller has written dirty ones back)."""
+        self.index.clear()
+        self.occupied.zero_()
+        self.dirty.zero_()
+        self.pinned.zero_()
+        self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self._n_free = self.capacity
+
+    # -- eviction ------------------------------------------------------------------------------
+    def lowest(self, k: int, scores_of: _ScoreOf, sample: int, exclude: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` (or fewer) evictable resident rows with the lowest scores, ascending.
+
+        Args:
+            k: victims wanted.
+            scores_of: ``fn(slots) -> float64 scores`` (the policy's score of those rows).
+            sample: consider ``sample * k`` random resident rows (all of them when that is at
+                least half the tier): sampled eviction keeps the cost per batch O(k), not O(capacity).
+            exclude: bool [capacity] of slots that must stay (e.g. rows in use by this batch).
+            generator: random source for sampling (seeded per table for repeatability).
+
+        Returns:
+            (slots int64 [m], scores float64 [m]) with m <= k, lowest score first.
+        """
+        evictable = self.occupied & ~self.pinned
+        if exclude is not None:
+            evictable &= ~exclude
+        n_cand = sample * k
+        if n_cand * 2 >= self.capacity:
+            cand = torch.nonzero(evictable).flatten()
+        else:
+            cand = torch.randint(0, self.capacity, (n_cand,), device=self.device, generator=generator)
+            cand = torch.unique(cand[evictable[cand]])
+        if cand.numel() == 0 or k == 0:
+            empty = torch.empty(0, device=self.device)
+            return empty.to(torch.int64), empty.to(torch.float64)
+        scores = scores_of(cand)
+        k = min(k, cand.numel())
+        vals, pos = torch.topk(scores, k, largest=False, sorted=True)
+        return cand[pos], vals
+
+
+class _ScoreOf(Protocol):
+    """The scoring callback: policy scores (float64) of the rows at ``slots``."""
+
+    def __call__(self, slots: torch.Tensor) -> torch.Tensor: ...

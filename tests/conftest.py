@@ -1,0 +1,49 @@
+"""Shared fixtures: store kinds, cache factories under tmp_path."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from embcache import CacheConfig, EmbeddingCache, TableConfig
+
+STORES = ["rocksdb", "lmdb"]
+
+
+@pytest.fixture(params=STORES)
+def store(request: pytest.FixtureRequest) -> str:
+    """Each store backend in turn."""
+    return str(request.param)
+
+
+def row_bytes(dim: int, optimizer: str = "sgd") -> int:
+    """Memory bytes one fp32 row costs (must match MemoryTier.row_bytes)."""
+    width = {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim + 1}[optimizer]
+    return dim * 4 + width * 4 + 27
+
+
+@pytest.fixture
+def make_cache(tmp_path: Any, store: str) -> Iterator[Callable[..., EmbeddingCache]]:
+    """Factory: ``make_cache(hbm_rows=, ddr_rows=, tables=, **config)`` under tmp_path; closes all at teardown."""
+    made: list[EmbeddingCache] = []
+
+    def factory(hbm_rows: int = 4, ddr_rows: int = 8, tables: list[TableConfig] | None = None,
+                path: str | None = None, **kw: Any) -> EmbeddingCache:
+        tables = tables or [TableConfig(name="t", dim=8, optimizer="adagrad", lr=0.1, seed=3)]
+        rb = row_bytes(tables[0].dim, tables[0].optimizer)
+        n = len(tables)
+        cfg = CacheConfig(hbm_bytes=hbm_rows * rb * n, ddr_bytes=ddr_rows * rb * n,
+                          path=path or str(tmp_path / "store"), store=store, device="cpu", **kw)
+        cache = EmbeddingCache(cfg, tables)
+        made.append(cache)
+        return cache
+
+    yield factory
+    for c in made:
+        c.close()

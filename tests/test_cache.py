@@ -1,0 +1,415 @@
+"""Behaviour of EmbeddingCache on real RocksDB and LMDB stores: tiers, placement, persistence, errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from embcache import (
+    BatchTooLargeError,
+    CacheClosedError,
+    CacheConfig,
+    CheckpointExistsError,
+    ConfigError,
+    EmbeddingCache,
+    InvalidGradientError,
+    InvalidKeysError,
+    InvalidRowsError,
+    NonFiniteGradientError,
+    StoreLockedError,
+    TableConfig,
+    TableConflictError,
+    UnknownTableError,
+)
+from embcache.init import init_rows
+
+from .conftest import row_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXTREME = [-(2**63), 2**63 - 1, -1, 0, 1, 2**53 + 1, -(2**53) - 1, 123456789012345]
+
+
+def expected_init(cfg: TableConfig, keys: list[int] | torch.Tensor) -> torch.Tensor:
+    keys = torch.as_tensor(keys, dtype=torch.int64)
+    return init_rows(cfg.initializer, float(cfg.init_scale or 0), cfg.seed, keys, cfg.dim)
+
+
+def assert_tiers_consistent(cache: EmbeddingCache) -> None:
+    """Each tier within capacity; no key in two tiers."""
+    for name, s in cache.stats().items():
+        for tier in ("hbm", "ddr"):
+            assert s[tier]["resident_rows"] <= s[tier]["capacity_rows"]
+        hbm = set(cache.resident_keys(name, "hbm").tolist())
+        ddr = set(cache.resident_keys(name, "ddr").tolist())
+        assert not hbm & ddr
+        assert len(hbm) == s["hbm"]["resident_rows"] and len(ddr) == s["ddr"]["resident_rows"]
+
+
+def test_first_touch_uses_initializer_and_counts_created(make_cache: Any) -> None:
+    cache = make_cache()
+    cfg = cache.tables()["t"]
+    keys = torch.tensor(EXTREME)
+    rows = cache.lookup("t", keys)
+    assert rows.shape == (len(EXTREME), 8) and rows.dtype == torch.float32
+    torch.testing.assert_close(rows, expected_init(cfg, keys), rtol=0, atol=0)
+    s = cache.stats()["t"]
+    assert s["lookups"] == len(EXTREME) == s["ssd"]["created"]
+    # the same keys again, now from memory, identical
+    torch.testing.assert_close(cache.lookup("t", keys), rows, rtol=0, atol=0)
+
+
+def test_stats_lookups_add_up(make_cache: Any) -> None:
+    cache = make_cache(hbm_rows=3, ddr_rows=5)
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        keys = torch.from_numpy(rng.integers(0, 40, size=16))
+        cache.lookup("t", keys)
+        cache.apply_gradients("t", keys, torch.randn(16, 8))
+    s = cache.stats()["t"]
+    assert s["lookups"] == 30 * 16
+    assert s["lookups"] == s["hbm"]["hits"] + s["ddr"]["hits"] + s["ssd"]["hits"] + s["ssd"]["created"]
+    assert s["ssd"]["write_rows"] > 0 and s["ssd"]["read_rows"] > 0
+    assert s["hbm"]["promotions"] > 0 and s["ddr"]["demotions"] > 0 and s["ddr"]["write_backs"] > 0
+
+
+def test_updates_survive_eviction_close_and_reopen(make_cache: Any, tmp_path: Any) -> None:
+    cfg = TableConfig(name="t", dim=8, optimizer="sgd", lr=0.5, seed=7)
+    cache = make_cache(hbm_rows=2, ddr_rows=3, tables=[cfg])
+    keys = torch.tensor(EXTREME + list(range(100, 140)))
+    grads = torch.randn(len(keys), 8)
+    before = cache.lookup("t", keys)
+    cache.apply_gradients("t", keys, grads)
+    want = before - 0.5 * grads
+    torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
+    assert_tiers_consistent(cache)
+    cache.close()
+    again = make_cache(hbm_rows=5, ddr_rows=1, tables=[cfg])
+    torch.testing.assert_close(again.lookup("t", keys), want, rtol=0, atol=0)
+
+
+def test_duplicate_keys_sum_gradients(make_cache: Any) -> None:
+    cfg = TableConfig(name="t", dim=4, optimizer="sgd", lr=1.0)
+    cache = make_cache(tables=[cfg])
+    base = cache.lookup("t", torch.tensor([5, 6]))
+    g = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    cache.apply_gradients("t", torch.tensor([5, 6, 5]), g)
+    got = cache.lookup("t", torch.tensor([5, 6]))
+    torch.testing.assert_close(got, torch.stack([base[0] - g[0] - g[2], base[1] - g[1]]))
+
+
+def test_assign_overwrites_and_last_duplicate_wins(make_cache: Any) -> None:
+    cache = make_cache(hbm_rows=1, ddr_rows=1)
+    rows = torch.randn(4, 8)
+    cache.assign("t", torch.tensor([1, 2, 1, 3]), rows)
+    got = cache.lookup("t", torch.tensor([1, 2, 3]))
+    torch.testing.assert_close(got, rows[[2, 1, 3]], rtol=0, atol=0)
+
+
+def test_multiple_tables_of_different_dims(make_cache: Any) -> None:
+    tables = [TableConfig(name="a", dim=4, optimizer="adam", seed=1),
+              TableConfig(name="b", dim=16, optimizer="rowwise_adagrad", seed=2, dtype="float16")]
+    cache = make_cache(tables=tables)
+    ka, kb = torch.arange(20), torch.arange(20)
+    ra, rb = cache.lookup("a", ka), cache.lookup("b", kb)
+    assert ra.shape == (20, 4) and rb.shape == (20, 16) and rb.dtype == torch.float32
+    assert not torch.equal(ra, rb[:, :4])  # different seeds
+    cache.apply_gradients("b", kb, torch.ones(20, 16))
+    assert not torch.equal(cache.lookup("b", kb), rb)
+    torch.testing.assert_close(cache.lookup("a", ka), ra, rtol=0, atol=0)
+
+
+def test_capacity_never_exceeded_and_tiers_disjoint(make_cache: Any) -> None:
+    cache = make_cache(hbm_rows=5, ddr_rows=7, policy="lrfu")
+    rng = np.random.default_rng(0)
+    for step in range(60):
+        keys = torch.from_numpy(rng.zipf(1.3, size=32) % 97)
+        cache.lookup("t", keys)
+        if step % 3 == 0:
+            cache.apply_gradients("t", keys, torch.randn(32, 8))
+        assert_tiers_consistent(cache)
+    s = cache.stats()["t"]
+    assert s["hbm"]["resident_rows"] == 5 and s["ddr"]["resident_rows"] == 7
+
+
+@pytest.mark.parametrize("policy,halflife", [("lrfu", 100_000.0), ("lfu", None)])
+def test_hbm_holds_most_frequent_keys(make_cache: Any, policy: str, halflife: float | None) -> None:
+    # stationary skew, half-life longer than the run: the HBM tier must hold the exact top keys
+    hbm = 64
+    cache = make_cache(hbm_rows=hbm, ddr_rows=128, policy=policy, halflife=halflife, eviction_sample=64)
+    rng = np.random.default_rng(42)
+    perm = rng.permutation(5000)
+    counts: Counter[int] = Counter()
+    for _ in range(150):
+        keys = perm[np.minimum(rng.zipf(1.2, size=512) - 1, 4999)]
+        counts.update(keys.tolist())
+        cache.lookup("t", torch.from_numpy(keys))
+    top = {k for k, _ in counts.most_common(hbm)}
+    resident = set(cache.resident_keys("t", "hbm").tolist())
+    assert len(resident & top) >= 0.9 * hbm, f"{len(resident & top)} of the top {hbm} keys in HBM"
+
+
+def test_lru_policy_keeps_recent_keys(make_cache: Any) -> None:
+    cache = make_cache(hbm_rows=8, ddr_rows=0, policy="lru")
+    for k in range(100):
+        cache.lookup("t", torch.tensor([k]))
+    assert set(cache.resident_keys("t", "hbm").tolist()) == set(range(92, 100))
+
+
+def test_user_score_function(make_cache: Any) -> None:
+    # evict the largest keys first: the score is minus the key's last access... here: prefer small ids
+    def score(freq: torch.Tensor, last: torch.Tensor, now: int) -> torch.Tensor:
+        return -last.to(torch.float64)  # most recent evicted first (MRU)
+    cache = make_cache(hbm_rows=4, ddr_rows=0, policy=score, admission=False)
+    for k in range(10):
+        cache.lookup("t", torch.tensor([k]))
+    assert set(cache.resident_keys("t", "hbm").tolist()) == {0, 1, 2, 9}
+
+
+def test_checkpoint_restore_into_other_capacities_and_backend(make_cache: Any, tmp_path: Any, store: str) -> None:
+    cfg = TableConfig(name="t", dim=8, optimizer="adam", lr=0.01, seed=5)
+    cache = make_cache(hbm_rows=3, ddr_rows=4, tables=[cfg])
+    keys = torch.tensor(EXTREME + list(range(50)))
+    for _ in range(3):
+        cache.lookup("t", keys)
+        cache.apply_gradients("t", keys, torch.randn(len(keys), 8))
+    ckpt = tmp_path / "ckpt"
+    cache.checkpoint(str(ckpt))
+    want = cache.lookup("t", keys)
+    cache.apply_gradients("t", keys, torch.randn(len(keys), 8))  # after the checkpoint: not in it
+    other = "lmdb" if store == "rocksdb" else "rocksdb"
+    for kind in (store, other):
+        rb = row_bytes(8, "adam")
+        restored = EmbeddingCache.restore(str(ckpt), CacheConfig(
+            hbm_bytes=20 * rb, ddr_bytes=0, path=str(tmp_path / f"restored-{kind}"), store=kind, device="cpu"))
+        with restored:
+            assert restored.tables()["t"] == cfg
+            torch.testing.assert_close(restored.lookup("t", keys), want, rtol=0, atol=0)
+            # optimizer state came along: the same next step gives the same rows
+            g = torch.randn(len(keys), 8)
+            restored.apply_gradients("t", keys, g)
+    with pytest.raises(CheckpointExistsError):
+        cache.checkpoint(str(ckpt))
+
+
+def test_flushed_updates_survive_sigkill(tmp_path: Any, store: str) -> None:
+    path = tmp_path / "crash"
+    script = textwrap.dedent(f"""
+        import os, sys, numpy as np, torch
+        sys.path.insert(0, {ROOT!r})
+        from embcache import EmbeddingCache, CacheConfig, TableConfig
+        cfg = CacheConfig(hbm_bytes=4 * 300, ddr_bytes=8 * 300, path={str(path)!r}, store={store!r}, device="cpu")
+        cache = EmbeddingCache(cfg, [TableConfig(name="t", dim=8, optimizer="adagrad", lr=0.1)])
+        keys = torch.arange(-50, 50) * 1_000_003
+        for step in range(5):
+            cache.lookup("t", keys)
+            cache.apply_gradients("t", keys, torch.full((100, 8), float(step + 1)))
+        cache.flush()
+        np.save({str(tmp_path / "want.npy")!r}, cache.lookup("t", keys).numpy())
+        cache.apply_gradients("t", keys[:10], torch.ones(10, 8))  # unflushed: may be lost
+        os.kill(os.getpid(), 9)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()
+    want = torch.from_numpy(np.load(tmp_path / "want.npy"))
+    cfg = CacheConfig(hbm_bytes=0, ddr_bytes=0, path=str(path), store=store, device="cpu")
+    with EmbeddingCache(cfg) as cache:
+        got = cache.lookup("t", torch.arange(-50, 50) * 1_000_003)
+        torch.testing.assert_close(got[10:], want[10:], rtol=0, atol=0)
+
+
+def test_concurrent_threads_lose_no_update(make_cache: Any) -> None:
+    # SGD with lr 1 and gradients that are small powers of two: sums are exact in any order
+    tables = [TableConfig(name="a", dim=4, optimizer="sgd", lr=1.0, initializer="zeros"),
+              TableConfig(name="b", dim=4, optimizer="sgd", lr=1.0, initializer="zeros")]
+    cache = make_cache(hbm_rows=8, ddr_rows=8, tables=tables)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(40):
+                keys = torch.from_numpy(rng.integers(0, 60, size=16))
+                table = "a" if rng.random() < 0.5 else "b"
+                cache.lookup(table, keys)
+                cache.apply_gradients(table, keys, torch.full((16, 4), 0.25))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    expected = {"a": Counter[int](), "b": Counter[int]()}
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        for _ in range(40):
+            keys = rng.integers(0, 60, size=16)
+            table = "a" if rng.random() < 0.5 else "b"
+            expected[table].update(keys.tolist())
+    for table in ("a", "b"):
+        got = cache.lookup(table, torch.arange(60))
+        want = torch.tensor([-0.25 * expected[table][k] for k in range(60)]).unsqueeze(1).expand(60, 4)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert_tiers_consistent(cache)
+
+
+# ---------------------------------------------------------------------------- bad input
+def snapshot(cache: EmbeddingCache, keys: torch.Tensor) -> torch.Tensor:
+    return cache.lookup("t", keys).clone()
+
+
+@pytest.fixture
+def filled(make_cache: Any) -> tuple[EmbeddingCache, torch.Tensor, torch.Tensor]:
+    cache = make_cache(hbm_rows=2, ddr_rows=3)
+    keys = torch.arange(12)
+    cache.apply_gradients("t", keys, torch.randn(12, 8))
+    return cache, keys, snapshot(cache, keys)
+
+
+def test_unknown_table(filled: Any) -> None:
+    cache, keys, before = filled
+    with pytest.raises(UnknownTableError, match=r"unknown table 'nope'.*'t'"):
+        cache.lookup("nope", keys)
+    with pytest.raises(KeyError):
+        cache.apply_gradients("nope", keys, torch.zeros(12, 8))
+    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(2, 3, dtype=torch.int64), torch.tensor([1.0, 2.0]),
+                                 torch.tensor([True, False]), np.array([1.5]), "abc"])
+def test_keys_not_1d_or_not_integer(filled: Any, bad: Any) -> None:
+    cache, keys, before = filled
+    with pytest.raises(InvalidKeysError):
+        cache.lookup("t", bad)
+    with pytest.raises(ValueError):
+        cache.apply_gradients("t", bad, torch.zeros(2, 8))
+    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+
+
+def test_other_integer_dtypes_are_accepted(filled: Any) -> None:
+    cache, keys, before = filled
+    torch.testing.assert_close(cache.lookup("t", keys.to(torch.int32)), before, rtol=0, atol=0)
+    torch.testing.assert_close(cache.lookup("t", keys.numpy().astype(np.uint16)), before, rtol=0, atol=0)
+    torch.testing.assert_close(cache.lookup("t", keys.tolist()), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("grads,match", [
+    (torch.zeros(12, 7), "shape"),
+    (torch.zeros(11, 8), "shape"),
+    (torch.zeros(12, 8, dtype=torch.int64), "floating"),
+    (torch.zeros(12, 8, device="meta"), "allowed: cpu"),
+    ([[0.0] * 8] * 12, "tensor"),
+])
+def test_bad_gradients(filled: Any, grads: Any, match: str) -> None:
+    cache, keys, before = filled
+    with pytest.raises(InvalidGradientError, match=match):
+        cache.apply_gradients("t", keys, grads)
+    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_gradients_rejected(filled: Any, value: float) -> None:
+    cache, keys, before = filled
+    g = torch.zeros(12, 8)
+    g[5, 3] = value
+    with pytest.raises(NonFiniteGradientError, match="NaN or inf"):
+        cache.apply_gradients("t", keys, g)
+    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+
+
+def test_bad_assign_rows(filled: Any) -> None:
+    cache, keys, before = filled
+    with pytest.raises(InvalidRowsError):
+        cache.assign("t", keys, torch.zeros(12, 3))
+    with pytest.raises(InvalidRowsError, match="NaN"):
+        cache.assign("t", keys, torch.full((12, 8), float("nan")))
+    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+
+
+def test_empty_batch(filled: Any) -> None:
+    cache, keys, before = filled
+    out = cache.lookup("t", torch.empty(0, dtype=torch.int64))
+    assert out.shape == (0, 8)
+    cache.apply_gradients("t", torch.empty(0, dtype=torch.int64), torch.empty(0, 8))
+    assert cache.lookup("t", []).shape == (0, 8)
+    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+
+
+def test_oversized_batch(make_cache: Any) -> None:
+    cache = make_cache(max_batch_keys=10)
+    with pytest.raises(BatchTooLargeError, match="max_batch_keys=10"):
+        cache.lookup("t", torch.arange(11))
+    assert cache.lookup("t", torch.arange(10)).shape == (10, 8)
+
+
+def test_use_after_close(filled: Any) -> None:
+    cache, keys, _ = filled
+    cache.close()
+    cache.close()  # idempotent
+    calls = (lambda: cache.lookup("t", keys), lambda: cache.apply_gradients("t", keys, torch.zeros(12, 8)),
+             cache.flush, lambda: cache.checkpoint("/tmp/never"), lambda: cache.assign("t", keys, torch.zeros(12, 8)))
+    for call in calls:
+        with pytest.raises(CacheClosedError):
+            call()
+
+
+def test_checkpoint_into_nonempty_directory(filled: Any, tmp_path: Any) -> None:
+    cache, keys, before = filled
+    d = tmp_path / "occupied"
+    d.mkdir()
+    (d / "something").write_text("x")
+    with pytest.raises(CheckpointExistsError, match="not empty"):
+        cache.checkpoint(str(d))
+    assert os.listdir(d) == ["something"]
+    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+
+
+def test_store_path_held_by_another_cache_or_process(filled: Any, store: str) -> None:
+    cache, keys, before = filled
+    cfg = cache.config
+    with pytest.raises(StoreLockedError, match="held by another"):
+        EmbeddingCache(cfg)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        from embcache import EmbeddingCache, CacheConfig, StoreLockedError
+        try:
+            EmbeddingCache(CacheConfig(hbm_bytes=0, ddr_bytes=0, path={cfg.path!r}, store={store!r}, device="cpu"))
+        except StoreLockedError as exc:
+            print("locked:", exc)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "locked: store path" in proc.stdout, proc.stderr
+    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+
+
+def test_table_conflict_on_reopen(make_cache: Any, tmp_path: Any) -> None:
+    cache = make_cache(tables=[TableConfig(name="t", dim=8)])
+    cache.lookup("t", torch.arange(3))
+    cache.close()
+    with pytest.raises(TableConflictError, match="dim: stored 8, given 16"):
+        make_cache(tables=[TableConfig(name="t", dim=16)])
+    reopened = make_cache(tables=[TableConfig(name="t", dim=8, lr=0.5)])  # lr may change
+    assert reopened.tables()["t"].lr == 0.5
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ConfigError, match="optimizer='adamw'"):
+        TableConfig(name="t", dim=4, optimizer="adamw")
+    with pytest.raises(ConfigError, match="dim"):
+        TableConfig(name="t", dim=0)
+    with pytest.raises(ConfigError, match="store='redis'"):
+        CacheConfig(store="redis")
+    with pytest.raises(ConfigError, match="exceed 90%"):
+        CacheConfig(hbm_bytes=1 << 50, ddr_bytes=0, device="cpu")

@@ -1,0 +1,307 @@
+"""KeyIndex implementations against a dict reference, on extreme, random and adversarial keys."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from embcache import index as index_mod
+from embcache.index import KeyIndex, NumbaIndex, TorchIndex, make_index, mix64, unmix64
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+EXTREME = [I64_MIN, I64_MIN + 1, -(2**53) - 1, -1, 0, 1, 2**53, 2**53 + 1, 2**62, I64_MAX - 1, I64_MAX]
+HAS_CUDA = torch.cuda.is_available()
+
+IMPLS = [
+    pytest.param(("numba", "cpu"), id="numba-cpu"),
+    pytest.param(("torch", "cpu"), id="torch-cpu"),
+    pytest.param(("torch", "cuda"), id="torch-cuda",
+                 marks=pytest.mark.skipif(not HAS_CUDA, reason="CUDA is not available")),
+]
+
+Factory = Callable[[int], KeyIndex]
+
+
+def _factory(kind: str, device: str) -> Factory:
+    if kind == "numba":
+        pytest.importorskip("numba")
+        return lambda cap: NumbaIndex(cap, device)
+    return lambda cap: TorchIndex(cap, device)
+
+
+@pytest.fixture(params=IMPLS)
+def make(request: pytest.FixtureRequest) -> Factory:
+    """``make(capacity)`` -> an empty index of the parametrized kind on its device."""
+    return _factory(*request.param)
+
+
+def t(values: object, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device)
+
+
+class Reference:
+    """An index and a dict fed the same operations, compared after every step."""
+
+    def __init__(self, index: KeyIndex) -> None:
+        self.index = index
+        self.d: dict[int, int] = {}
+        self.dev = index.device
+
+    def insert(self, keys: list[int], slots: list[int]) -> None:
+        self.index.insert(t(keys, self.dev), t(slots, self.dev))
+        self.d.update(zip(keys, slots, strict=True))
+        assert len(self.index) == len(self.d)
+
+    def erase(self, keys: list[int]) -> None:
+        self.index.erase(t(keys, self.dev))
+        for k in keys:
+            del self.d[k]
+        assert len(self.index) == len(self.d)
+
+    def clear(self) -> None:
+        self.index.clear()
+        self.d.clear()
+        assert len(self.index) == 0
+
+    def check(self, queries: list[int]) -> torch.Tensor:
+        got = self.index.find(t(queries, self.dev))
+        assert got.dtype == torch.int64 and got.device.type == self.dev.type and got.shape == (len(queries),)
+        want = [self.d.get(k, -1) for k in queries]
+        assert got.cpu().tolist() == want
+        return got
+
+
+def random_ops(ref: Reference, capacity: int, steps: int, seed: int) -> None:
+    """Random insert/erase/find batches (extreme keys included) checked against the dict."""
+    rng = np.random.default_rng(seed)
+    pool = list(dict.fromkeys(EXTREME + rng.integers(I64_MIN, I64_MAX, 4 * capacity, dtype=np.int64,
+                                                     endpoint=True).tolist()
+                              + rng.integers(-50, 50, 40).tolist()))
+    for step in range(steps):
+        op = rng.integers(0, 10)
+        present = list(ref.d)
+        absent_n = capacity - len(ref.d)
+        if op < 4 and absent_n > 0:
+            # Sometimes fill up exactly to capacity.
+            n = absent_n if rng.random() < 0.15 else int(rng.integers(1, absent_n + 1))
+            cand = [k for k in rng.permutation(np.array(pool, dtype=np.int64)).tolist() if k not in ref.d][:n]
+            ref.insert(cand, rng.integers(0, capacity, len(cand)).tolist())
+        elif op < 7 and present:
+            n = int(rng.integers(1, len(present) + 1))
+            ref.erase([present[i] for i in rng.permutation(len(present))[:n]])
+        elif op == 7 and step % 5 == 0:
+            ref.clear()
+        # Find with duplicates, present and absent keys, extremes.
+        q = rng.choice(np.array(pool, dtype=np.int64), 3 * capacity).tolist() + EXTREME + present[:5] * 2
+        ref.check(q)
+
+
+@pytest.mark.parametrize("capacity", [1, 7, 64, 300])
+def test_random_ops_match_dict(make: Factory, capacity: int) -> None:
+    for seed in range(3):
+        random_ops(Reference(make(capacity)), capacity, steps=40, seed=seed)
+
+
+def test_extreme_keys_and_reinsert(make: Factory) -> None:
+    ref = Reference(make(len(EXTREME)))
+    ref.check(EXTREME)
+    ref.insert(EXTREME, list(range(len(EXTREME))))  # exactly at capacity
+    ref.check(EXTREME + EXTREME[::-1] + [2, -2, 2**53 - 1])
+    ref.erase(EXTREME[::2])
+    ref.check(EXTREME)
+    # Erase then reinsert under new slots.
+    ref.insert(EXTREME[::2], [100 + i for i in range(len(EXTREME[::2]))])
+    ref.check(EXTREME)
+    ref.clear()
+    ref.check(EXTREME)
+    ref.insert(EXTREME[:3], [5, 6, 7])
+    ref.check(EXTREME)
+
+
+def test_empty_batches(make: Factory) -> None:
+    index = make(4)
+    dev = index.device
+    empty = torch.empty(0, dtype=torch.int64, device=dev)
+    assert index.find(empty).shape == (0,)
+    index.insert(empty, empty)
+    index.erase(empty)
+    assert len(index) == 0
+
+
+def test_over_capacity_raises_and_changes_nothing(make: Factory) -> None:
+    index = make(5)
+    dev = index.device
+    index.insert(t([1, 2, 3], dev), t([0, 1, 2], dev))
+    with pytest.raises(RuntimeError):
+        index.insert(t([4, 5, 6], dev), t([3, 4, 5], dev))
+    assert len(index) == 3
+    assert index.find(t([1, 2, 3, 4], dev)).tolist() == [0, 1, 2, -1]
+
+
+def test_noncontiguous_input(make: Factory) -> None:
+    index = make(16)
+    dev = index.device
+    keys = torch.arange(32, dtype=torch.int64, device=dev) * 7 - 50
+    index.insert(keys[::2], torch.arange(16, device=dev))
+    assert index.find(keys[::2]).tolist() == list(range(16))
+    assert (index.find(keys[1::2]) == -1).all()
+
+
+def test_unmix64_inverts_mix64() -> None:
+    keys = t(EXTREME + list(range(-5, 5)), torch.device("cpu"))
+    assert torch.equal(unmix64(mix64(keys)), keys)
+    assert torch.equal(mix64(unmix64(keys)), keys)
+
+
+def _colliding_keys(n: int, low: int) -> list[int]:
+    """``n`` keys whose hashes share the low 32 bits (``low``) and bits 32..39 (0xAB).
+
+    For TorchIndex (fewer than 2**8 buckets) that is one first and one second bucket for all of
+    them; for NumbaIndex one home entry, so one long cluster.
+    """
+    j = torch.arange(n, dtype=torch.int64)
+    return unmix64((j << 40) | (0xAB << 32) | low).tolist()
+
+
+@pytest.mark.parametrize("pattern", ["same-hash-bits", "multiples-of-2^40"])
+def test_adversarial_collisions(make: Factory, pattern: str) -> None:
+    capacity = 256
+    if pattern == "same-hash-bits":
+        # TorchIndex: 32 fit in the two buckets, the stash overflows, the table must grow until
+        # the hash bits above 40 separate the keys. NumbaIndex: home = the last entry, so the
+        # cluster wraps around the end of the table.
+        keys = _colliding_keys(capacity, 2**32 - 1)
+    else:
+        keys = [(i + 1) << 40 for i in range(capacity // 2)] + [-(i + 1) << 40 for i in range(capacity // 2)]
+    ref = Reference(make(capacity))
+    ref.insert(keys[: capacity // 2], list(range(capacity // 2)))
+    ref.insert(keys[capacity // 2:], list(range(capacity // 2, capacity)))
+    ref.check([*keys, keys[0] + 1, 0])
+    # Erase from the middle of the cluster, check, reinsert.
+    ref.erase(keys[10:200:3])
+    ref.check(keys)
+    ref.insert(keys[10:200:3], list(range(len(keys[10:200:3]))))
+    ref.check(keys)
+    ref.erase(keys)
+    ref.check(keys)
+    if isinstance(ref.index, TorchIndex) and pattern == "same-hash-bits":
+        assert ref.index.n_buckets > TorchIndex(capacity).n_buckets  # it had to grow
+        ref.clear()
+        assert ref.index.n_buckets == TorchIndex(capacity).n_buckets  # clear undoes growth
+
+
+def test_torch_stash() -> None:
+    # 40 keys for the same two buckets (of 16 entries each): 8 go to the stash, no growth.
+    index = TorchIndex(256)
+    nb = index.n_buckets
+    keys = _colliding_keys(40, 5)
+    ref = Reference(index)
+    ref.insert(keys[:30], list(range(30)))
+    ref.insert(keys[30:], list(range(30, 40)))
+    assert index.n_stashed == 8 and index.n_buckets == nb
+    ref.check([*keys, *keys[::-1], 12345])
+    # The one-pass (sync-free, CUDA) find must agree, stash included.
+    q = t([*keys, 12345, -1], index.device)
+    assert torch.equal(index._find_one_pass(q, mix64(q)), index.find(q))
+    ref.erase(keys[::3])  # from the buckets and the stash
+    ref.check(keys)
+    ref.insert(keys[::3], [7] * len(keys[::3]))
+    ref.check(keys)
+    assert index.n_buckets == nb
+    ref.clear()
+    assert index.n_stashed == 0
+    ref.check(keys)
+
+
+def test_torch_one_pass_find_matches_two_pass() -> None:
+    # The CUDA find path (both buckets in one gather), exercised on the CPU.
+    rng = np.random.default_rng(3)
+    index = TorchIndex(5000)
+    keys = torch.from_numpy(np.unique(rng.integers(I64_MIN, I64_MAX, 5000, dtype=np.int64, endpoint=True)))
+    index.insert(keys, torch.arange(keys.numel()))
+    q = torch.cat((keys, keys[:100], t(EXTREME, torch.device("cpu"))))
+    h = mix64(q)
+    assert torch.equal(index._find_one_pass(q, h), index._find_two_pass(q, h))
+    assert torch.equal(index.find(keys), torch.arange(keys.numel()))
+
+
+def test_numba_and_torch_agree() -> None:
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(7)
+    capacity = 2000
+    indexes = [NumbaIndex(capacity), TorchIndex(capacity)]
+    present: list[int] = []
+    for _ in range(20):
+        new = rng.integers(I64_MIN, I64_MAX, 600, dtype=np.int64, endpoint=True)
+        new = new[~np.isin(new, present)][: capacity - len(present)]
+        slots = rng.integers(0, capacity, new.shape[0])
+        for ix in indexes:
+            ix.insert(torch.from_numpy(new), torch.from_numpy(slots))
+        present += new.tolist()
+        gone = rng.permutation(np.array(present, dtype=np.int64))[: len(present) // 3]
+        for ix in indexes:
+            ix.erase(torch.from_numpy(gone))
+        gone_set = set(gone.tolist())
+        present = [k for k in present if k not in gone_set]
+        q = torch.from_numpy(np.concatenate([rng.choice(np.array(present + EXTREME), 3000), gone]))
+        a, b = (ix.find(q) for ix in indexes)
+        assert torch.equal(a, b)
+        assert int((a >= 0).sum()) > 2000
+        assert len(indexes[0]) == len(indexes[1]) == len(present)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "erase", "find", "clear"]),
+                              st.lists(st.one_of(st.sampled_from(EXTREME),
+                                                 st.integers(I64_MIN, I64_MAX),
+                                                 st.integers(-3, 3)), max_size=12)),
+                    max_size=12))
+def test_hypothesis_ops(make: Factory, ops: list[tuple[str, list[int]]]) -> None:
+    capacity = 16
+    ref = Reference(make(capacity))
+    for op, keys in ops:
+        if op == "insert":
+            fresh = [k for k in dict.fromkeys(keys) if k not in ref.d][: capacity - len(ref.d)]
+            ref.insert(fresh, [abs(k) % capacity for k in fresh])
+        elif op == "erase":
+            ref.erase([k for k in dict.fromkeys(keys) if k in ref.d])
+        elif op == "clear":
+            ref.clear()
+        ref.check(keys + keys)
+
+
+def test_mix64_is_deterministic_and_spreads() -> None:
+    keys = torch.arange(1 << 16, dtype=torch.int64) << 40  # all low 40 bits zero
+    h = mix64(keys)
+    assert torch.equal(h, mix64(keys.clone()))
+    assert torch.unique(h & 1023).numel() == 1024  # low bits (bucket choice) well spread
+    assert mix64(t(EXTREME, torch.device("cpu"))).tolist() == mix64(t(EXTREME, torch.device("cpu"))).tolist()
+    # Known value: splitmix64 finalizer of 1 (computed with Python ints).
+    x = 1
+    x = ((x ^ (x >> 30)) * index_mod._M1) % 2**64
+    x = ((x ^ (x >> 27)) * index_mod._M2) % 2**64
+    x ^= x >> 31
+    assert mix64(t([1], torch.device("cpu"))).item() == x - 2**64 * (x >= 2**63)
+
+
+def test_make_index_picks_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    if index_mod.numba_available():
+        assert isinstance(make_index(10, torch.device("cpu")), NumbaIndex)
+    if HAS_CUDA:
+        assert isinstance(make_index(10, torch.device("cuda")), TorchIndex)
+    # Without numba (an import of it fails), CPU falls back to TorchIndex.
+    monkeypatch.setitem(sys.modules, "numba", None)
+    assert not index_mod.numba_available()
+    assert isinstance(make_index(10, torch.device("cpu")), TorchIndex)
+
+
+def test_numba_rejects_cuda() -> None:
+    pytest.importorskip("numba")
+    with pytest.raises(ValueError):
+        NumbaIndex(4, torch.device("cuda"))

@@ -1,0 +1,353 @@
+"""Tests of bench/reference_policies.py and bench/workloads.py.
+
+The compiled simulators are checked against small pure-Python brute-force implementations on
+random traces: exact hit counts for LRU, LFU, OPT and W-TinyLFU (the brute-force W-TinyLFU
+uses the same sketch hash), plus sanity orderings (OPT bounds everything; W-TinyLFU beats LRU
+when scans pollute it).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# bench/ is a directory of scripts beside the tests, not part of the installed package.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from bench import reference_policies as rp  # noqa: E402
+from bench import workloads as wl  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Brute-force references (quadratic, obviously correct)
+
+
+def brute_lru(trace: list[int], capacity: int) -> int:
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for k in trace:
+        if k in cache:
+            hits += 1
+            cache.move_to_end(k)
+        elif capacity > 0:
+            if len(cache) == capacity:
+                cache.popitem(last=False)
+            cache[k] = None
+    return hits
+
+
+def brute_lfu(trace: list[int], capacity: int) -> int:
+    count: dict[int, int] = {}
+    last: dict[int, int] = {}
+    hits = 0
+    for t, k in enumerate(trace):
+        if k in count:
+            hits += 1
+            count[k] += 1
+        elif capacity > 0:
+            if len(count) == capacity:
+                victim = min(count, key=lambda x: (count[x], last[x]))
+                del count[victim], last[victim]
+            count[k] = 1
+        else:
+            continue
+        last[k] = t
+    return hits
+
+
+def brute_opt(trace: list[int], capacity: int) -> int:
+    def next_use(key: int, t: int) -> int:
+        for u in range(t + 1, len(trace)):
+            if trace[u] == key:
+                return u
+        return len(trace) + 1
+
+    cache: set[int] = set()
+    hits = 0
+    for t, k in enumerate(trace):
+        if k in cache:
+            hits += 1
+        elif capacity > 0:
+            cache.add(k)
+            if len(cache) > capacity:
+                cache.remove(max(cache, key=lambda x: next_use(x, t)))
+    return hits
+
+
+class BruteSketch:
+    """4 x width 4-bit count-min sketch with Caffeine's halving, in plain Python."""
+
+    def __init__(self, width: int, sample_size: int) -> None:
+        self.width = width
+        self.sample_size = sample_size
+        self.table = [[0] * width for _ in range(4)]
+        self.additions = 0
+
+    def _slots(self, key: int) -> list[int]:
+        return [rp.sketch_hash(key, r) % self.width for r in range(4)]
+
+    def increment(self, key: int) -> None:
+        added = False
+        for r, j in enumerate(self._slots(key)):
+            if self.table[r][j] < 15:
+                self.table[r][j] += 1
+                added = True
+        if added:
+            self.additions += 1
+            if self.additions >= self.sample_size:
+                odd = sum(c & 1 for row in self.table for c in row)
+                self.table = [[c >> 1 for c in row] for row in self.table]
+                self.additions = (self.additions - odd // 4) // 2
+
+    def estimate(self, key: int) -> int:
+        return min(self.table[r][j] for r, j in enumerate(self._slots(key)))
+
+
+def brute_wtinylfu(trace: list[int], capacity: int, adaptive: bool = False) -> int:
+    max_main = int(capacity * 0.99)
+    max_window = capacity - max_main
+    max_protected = int(max_main * 0.8)
+    pow2 = 1
+    while pow2 < capacity:
+        pow2 *= 2
+    sample = 10 * max(capacity, 1)
+    sketch = BruteSketch(4 * max(pow2, 8), sample)
+    window: OrderedDict[int, None] = OrderedDict()
+    probation: OrderedDict[int, None] = OrderedDict()
+    protected: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    sample_hits = sample_misses = 0
+    prev_rate = 0.0
+    step = -0.0625 * capacity
+    adjustment = 0
+
+    def demote_protected(limit: int = 1000) -> None:
+        while len(protected) > max_protected and limit > 0:
+            demoted, _ = protected.popitem(last=False)
+            probation[demoted] = None
+            limit -= 1
+
+    for k in trace:
+        sketch.increment(k)
+        hit = True
+        if k in window:
+            window.move_to_end(k)
+        elif k in probation:
+            del probation[k]
+            protected[k] = None
+            demote_protected(1)
+        elif k in protected:
+            protected.move_to_end(k)
+        else:
+            hit = False
+            if capacity > 0:
+                window[k] = None
+                while len(window) > max_window:
+                    candidate, _ = window.popitem(last=False)
+                    probation[candidate] = None
+                    if len(window) + len(probation) + len(protected) > capacity:
+                        victim = next(iter(probation))
+                        admit = sketch.estimate(candidate) > sketch.estimate(victim)
+                        del probation[victim if admit and victim != candidate else candidate]
+        hits += hit
+        if not adaptive:
+            continue
+        # Caffeine's climb(): determineAdjustment, demoteFromMainProtected, increase/decreaseWindow
+        sample_hits += hit
+        sample_misses += not hit
+        if sample_hits + sample_misses >= sample:
+            rate = sample_hits / (sample_hits + sample_misses)
+            change = rate - prev_rate
+            amount = step if change >= 0 else -step
+            step = 0.0625 * capacity * (1 if amount >= 0 else -1) if abs(change) >= 0.05 else 0.98 * amount
+            prev_rate, adjustment = rate, int(amount)
+            sample_hits = sample_misses = 0
+        demote_protected()
+        if adjustment > 0 and max_protected > 0:
+            quota = min(adjustment, max_protected)
+            max_protected -= quota
+            max_window += quota
+            demote_protected()
+            for _ in range(1000):
+                source = probation or protected
+                if quota == 0 or not source:
+                    break
+                node, _ = source.popitem(last=False)
+                window[node] = None
+                quota -= 1
+            max_protected += quota
+            max_window -= quota
+            adjustment = quota
+        elif adjustment < 0 and max_window > 1:
+            quota = min(-adjustment, max_window - 1)
+            max_protected += quota
+            max_window -= quota
+            for _ in range(1000):
+                if quota == 0 or not window:
+                    break
+                node, _ = window.popitem(last=False)
+                probation[node] = None
+                quota -= 1
+            max_protected -= quota
+            max_window += quota
+            adjustment = -quota
+    return hits
+
+
+# ---------------------------------------------------------------------------------------------
+# Traces
+
+
+def random_traces() -> list[tuple[np.ndarray, int]]:
+    """Small random traces (uniform and skewed, odd key values) with a spread of capacities."""
+    rng = np.random.default_rng(1234)
+    cases: list[tuple[np.ndarray, int]] = []
+    for i in range(24):
+        n = int(rng.integers(1, 400))
+        n_keys = int(rng.integers(1, 60))
+        if i % 2:
+            trace = wl.zipf_trace(n, n_keys, float(rng.uniform(0.5, 1.5)), seed=i)
+        else:
+            trace = rng.integers(0, n_keys, size=n)
+        trace = trace * 7919 - 50_000  # keys need not be dense or non-negative
+        capacity = int(rng.integers(0, n_keys + 3))
+        cases.append((trace.astype(np.int64), capacity))
+    return cases
+
+
+CASES = random_traces()
+
+
+@pytest.mark.parametrize(
+    ("fast", "brute"),
+    [
+        (rp.lru_hits, brute_lru),
+        (rp.lfu_hits, brute_lfu),
+        (rp.opt_hits, brute_opt),
+        (rp.wtinylfu_hits, brute_wtinylfu),
+    ],
+    ids=["lru", "lfu", "opt", "wtinylfu"],
+)
+def test_simulator_matches_brute_force(
+    fast: Callable[[np.ndarray, int], int], brute: Callable[[list[int], int], int]
+) -> None:
+    total_hits = 0
+    for trace, capacity in CASES:
+        hits = fast(trace, capacity)
+        assert hits == brute(trace.tolist(), capacity), (trace, capacity)
+        total_hits += hits
+    assert total_hits > 0
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["static", "adaptive"])
+def test_wtinylfu_matches_brute_force_across_resets_and_climbs(adaptive: bool) -> None:
+    # Long enough for several sketch halvings and climber samples (both every 10 * capacity
+    # accesses), a multi-slot window, and a phase change that makes the climber turn.
+    a = wl.scan_mix_trace(2500, 400, alpha=0.9, scan_fraction=0.2, scan_len=50, seed=3)
+    b = wl.bursty_trace(2500, 2000, alpha=1.1, n_bursts=6, burst_len=400, burst_keys=30, seed=4)
+    trace = np.concatenate([a, b + 10_000])
+    climbed = False
+    for capacity in (1, 37, 120, 250):
+        got = rp.wtinylfu_hits(trace, capacity, adaptive=adaptive)
+        assert got == brute_wtinylfu(trace.tolist(), capacity, adaptive=adaptive), capacity
+        climbed |= got != rp.wtinylfu_hits(trace, capacity)
+    assert climbed == adaptive  # the trace does make the climber move the window
+
+
+def test_adaptive_climber_moves_the_window() -> None:
+    # A recency-heavy trace: the static 1% window loses to LRU; growing the window helps.
+    trace = wl.drifting_trace(200_000, 20_000, alpha=1.0, n_phases=40, drift=0.5, seed=6)
+    static = rp.wtinylfu_hit_ratio(trace, 1000)
+    adaptive = rp.wtinylfu_adaptive_hit_ratio(trace, 1000)
+    assert adaptive > static + 0.005
+
+
+def test_lfu_keeps_frequent_key_that_lru_drops() -> None:
+    trace = np.array([1, 1, 1, 2, 3, 1, 4, 5, 1])
+    assert rp.lfu_hits(trace, 2) == 4  # key 1 is never evicted
+    assert rp.lru_hits(trace, 2) == 2  # scans of 2 new keys push key 1 out twice
+
+
+def test_opt_bounds_every_policy() -> None:
+    traces = [
+        wl.zipf_trace(20_000, 2_000, 0.8, seed=1),
+        wl.drifting_trace(20_000, 2_000, alpha=1.0, n_phases=5, seed=2),
+        wl.bursty_trace(20_000, 2_000, alpha=0.9, n_bursts=10, burst_len=500, seed=3),
+        wl.scan_mix_trace(20_000, 2_000, alpha=1.0, scan_len=200, seed=4),
+    ]
+    for trace in traces:
+        for capacity in (5, 40, 200):
+            best = rp.opt_hits(trace, capacity)
+            for name, fn in rp.REFERENCE_POLICIES.items():
+                assert fn(trace, capacity) * trace.size <= best + 1e-9, (name, capacity)
+
+
+def test_wtinylfu_resists_scans() -> None:
+    trace = wl.scan_mix_trace(50_000, 5_000, alpha=1.0, scan_fraction=0.3, scan_len=500, seed=5)
+    for capacity in (50, 250):
+        assert rp.wtinylfu_hit_ratio(trace, capacity) > rp.lru_hit_ratio(trace, capacity)
+
+
+def test_edge_cases() -> None:
+    empty = np.zeros(0, dtype=np.int64)
+    for fn in rp.REFERENCE_POLICIES.values():
+        assert fn(empty, 10) == 0.0
+        assert fn(np.array([5, 5, 5]), 0) == 0.0
+        assert fn(np.array([5, 5, 5]), 1) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="capacity"):
+        rp.lru_hits(np.array([1, 2]), -1)
+    with pytest.raises(ValueError, match="1-D integer"):
+        rp.lru_hits(np.array([1.0, 2.0]), 1)
+    curve = rp.hit_ratio_curve(rp.lru_hit_ratio, np.array([1, 2, 1, 2]), [0, 1, 2])
+    np.testing.assert_allclose(curve, [0.0, 0.0, 0.5])
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads
+
+
+def test_workloads_are_seeded_and_in_range() -> None:
+    makers = {
+        "zipf": lambda s: wl.zipf_trace(5000, 1000, 0.8, seed=s),
+        "drift": lambda s: wl.drifting_trace(5000, 1000, seed=s),
+        "bursty": lambda s: wl.bursty_trace(5000, 1000, n_bursts=5, seed=s),
+        "scan": lambda s: wl.scan_mix_trace(5000, 1000, seed=s),
+    }
+    for name, make in makers.items():
+        a, b, c = make(7), make(7), make(8)
+        assert a.dtype == np.int64 and a.shape == (5000,), name
+        np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(a, c), name
+        assert a.min() >= 0, name
+        if name != "scan":
+            assert a.max() < 1000, name
+
+
+def test_zipf_trace_follows_the_law() -> None:
+    alpha, n_keys = 0.8, 100
+    trace = wl.zipf_trace(200_000, n_keys, alpha, seed=0)
+    freq = np.sort(np.bincount(trace, minlength=n_keys))[::-1] / trace.size
+    expected = np.arange(1, n_keys + 1) ** -alpha
+    expected /= expected.sum()
+    np.testing.assert_allclose(freq[:10], expected[:10], rtol=0.05)
+
+
+def test_drifting_trace_replaces_hot_keys() -> None:
+    trace = wl.drifting_trace(40_000, 1000, alpha=1.2, n_phases=4, hot_fraction=0.05, drift=0.5)
+    first, last = trace[:10_000], trace[-10_000:]
+    top_first = set(np.argsort(np.bincount(first, minlength=1000))[-20:].tolist())
+    top_last = set(np.argsort(np.bincount(last, minlength=1000))[-20:].tolist())
+    assert len(top_first & top_last) < 15
+
+
+def test_scan_keys_are_one_hit_wonders() -> None:
+    trace = wl.scan_mix_trace(10_000, 500, scan_fraction=0.5, scan_len=100, seed=1)
+    scans = trace[trace >= 500]
+    assert scans.size > 1000
+    assert np.unique(scans).size == scans.size
