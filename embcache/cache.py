@@ -27,6 +27,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from .errors import (
     NonFiniteGradientError,
     StoreLockedError,
     TableConflictError,
+    StoreError,
     UnknownTableError,
 )
 from .init import init_rows
@@ -97,6 +99,7 @@ class _TableStats:
     lookups: int = 0
     updates: int = 0
     assigns: int = 0
+    placement_errors: int = 0
     hbm: _TierStats = field(default_factory=_TierStats)
     ddr: _TierStats = field(default_factory=_TierStats)
     ssd: _SsdStats = field(default_factory=_SsdStats)
@@ -203,12 +206,14 @@ class EmbeddingCache:
         self._lock_fd = fd
 
     def _release(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor drops the flock
-            self._lock_fd = None
+        try:
+            if self._store is not None:
+                store, self._store = self._store, None
+                store.close()
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # closing the descriptor drops the flock
+                self._lock_fd = None
 
     def _open_tables(self, given: list[TableConfig]) -> None:
         assert self._store is not None
@@ -420,7 +425,14 @@ class EmbeddingCache:
         miss = ~in_ddr
         staged = self._stage(t, cpu_keys[miss], cpu_counts[miss], inc, now)
         values[miss] = staged.weights.to(torch.float32)
-        self._place(t, d_slots, staged)
+        try:
+            self._place(t, d_slots, staged)
+        except StoreError as exc:
+            # A lookup's rows are already served; only their caching failed (e.g. a full disk
+            # refused the write-back of a displaced dirty row). Nothing moved: keep serving.
+            t.stats.placement_errors += 1
+            if t.stats.placement_errors == 1:
+                warnings.warn(f"embcache: table {t.cfg.name!r}: rows could not be cached: {exc}", stacklevel=3)
         return values.to(self._device)
 
     def _stage(self, t: _Table, keys: torch.Tensor, counts: torch.Tensor | None, inc: float,
@@ -808,7 +820,7 @@ class EmbeddingCache:
                     }
                 ssd = dict(vars(s.ssd))
                 out[name] = {"lookups": s.lookups, "updates": s.updates, "assigns": s.assigns,
-                             **tiers, "ssd": ssd}
+                             "placement_errors": s.placement_errors, **tiers, "ssd": ssd}
         return out
 
     def resident_keys(self, table: str, tier: str) -> torch.Tensor:

@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--store", choices=["rocksdb", "lmdb"], default="rocksdb")
     parser.add_argument("--path", default=None, help="store directory (default: a fresh temporary one)")
-    parser.add_argument("--hbm-mb", type=float, default=8.0, help="HBM tier size in MiB (default 8)")
-    parser.add_argument("--ddr-mb", type=float, default=32.0, help="DDR tier size in MiB (default 32)")
+    parser.add_argument("--hbm-mb", type=float, default=2.0, help="HBM tier size in MiB (default 2)")
+    parser.add_argument("--ddr-mb", type=float, default=8.0, help="DDR tier size in MiB (default 8)")
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(0)

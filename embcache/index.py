@@ -1,36 +1,46 @@
-"""Key -> slot index of one memory tier, batched: every operation takes tensors, none loops over keys in Python.
+"""Key -> slot index of one memory tier: batched, every operation takes tensors, none loops in Python.
 
 A tier holds up to ``capacity`` rows in preallocated tensors; the index maps int64 keys to slot
-numbers in ``[0, capacity)``. Keys may be *any* int64 value (negative, ``int64`` min/max, beyond
-2**53), so no key value can mark an empty entry: in both layouts below an entry is empty when its
-*slot* is -1, and the key stored next to an empty slot is ignored.
+numbers in ``[0, capacity)``. Keys may be *any* int64 value (negative, int64 min/max, beyond
+2**53), so no key value can mean "empty": an entry is empty when its *slot* is -1.
 
-Both implementations hash a key with the splitmix64 / murmur3 finalizer (:func:`mix64`), a
-bijection on 64 bits, so distinct keys never share a full hash, and patterned keys (multiples of a
-large power of two, consecutive ids) spread over the table.
+Both implementations hash with the splitmix64 finalizer (:func:`mix64`), a bijection of the 64-bit
+patterns: distinct keys never share a full hash, and patterned keys (consecutive ids, multiples of
+a large power of two) spread evenly. :func:`unmix64` inverts it, which lets tests build colliding
+keys on purpose.
 
-:class:`NumbaIndex` (CPU): open addressing with linear probing in a table of
-``next_pow2(2 * capacity)`` entries (load <= 50%, so a hit takes ~1.5 probes and a miss ~2.5 on
-average), stored as one ``int64 [T, 2]`` array of ``(key, slot)`` pairs so that a probe touches a
-single cache line. Deletion shifts the following entries of the cluster back (no tombstones, so
-probe lengths never degrade under churn). The kernels are numba ``@njit(cache=True, nogil=True)``
-functions working on numpy views of the torch tensors (``Tensor.numpy()``, no copies); ``find``
-runs in parallel over the batch once it is large enough to pay for waking the thread pool.
-The table never overflows: at most ``capacity`` of its >= ``2 * capacity`` entries are used.
+:class:`NumbaIndex` (CPU, the hot path): open addressing with linear probing in a table of
+``next_pow2(2 * capacity)`` entries (load <= 50%: ~1.5 probes per hit, ~2.5 per miss), stored as
+one ``int64 [T, 2]`` array of ``(key, slot)`` pairs so that a probe reads a single cache line.
+Deletion shifts the rest of the cluster back (no tombstones, so probe lengths do not degrade under
+churn), and at most ``capacity`` of the >= ``2 * capacity`` entries are used, so inserts cannot
+fail. The kernels are numba ``@njit(cache=True, nogil=True)`` functions on numpy views of the
+torch tensors (no copies). The table is far larger than the caches, so a probe is a cache miss:
+the kernels hash a group of keys and prefetch their lines before probing any of them, which keeps
+many misses in flight (2-3x the rate of probing key by key); large ``find`` batches are split over
+all cores with ``prange``.
 
-:class:`TorchIndex` (any device): bucketed two-choice hashing in one ``int64 [nb, 2, B]`` tensor
-(``[b, 0, :]`` keys, ``[b, 1, :]`` slots of bucket ``b``; ``nb`` a power of two, ``B`` = 16
-entries per bucket, sized for <= 50% load). Key ``k`` may live in bucket ``h1 = mix64(k) mod nb``
-or ``h2 = (mix64(k) >> 32) mod nb``. Inserts go to ``h1`` while it has room and to ``h2`` only
-when it is full, so at 50% load ~99.5% of keys sit in ``h1`` (Poisson(8) > 16 is rare) and
-``find`` on CPU gathers one 256-byte bucket row per key, then a second row only for the keys not
-found there (misses and the few spilled keys). On CUDA ``find`` gathers both rows at once instead,
-which costs bandwidth the GPU has but avoids a host synchronization. Keys of one insert batch that
-target the same bucket are resolved by sorting by bucket and giving the key of rank ``r`` within
-its bucket the ``r``-th free entry; keys that find both buckets full trigger a rebuild at twice
-``nb`` (each doubling adds a hash bit, so it terminates because full hashes are distinct).
+:class:`TorchIndex` (any device, the CUDA path; also the CPU fallback without numba): bucketed
+two-choice hashing. ``nb`` buckets (a power of two) of ``B = 8`` entries, ``keys`` and ``slots``
+each an ``int64 [nb, B]`` tensor, sized for <= 50% load. Key ``k`` may live in bucket
+``h1 = mix64(k) mod nb`` or ``h2 = (mix64(k) >> 32) mod nb``:
 
-Neither class is thread-safe: the caller serializes access (the cache holds a lock per table).
+- Inserts fill ``h1`` first and use ``h2`` only when ``h1`` is full, so ~98% of keys sit in
+  ``h1``; ``find`` on CPU reads one 64-byte bucket per key and a second one only for the keys it
+  did not find there (misses, mostly). On CUDA it reads both in one gather instead, trading
+  bandwidth for not synchronizing with the host.
+- Keys whose two buckets are both full go to a small sorted *stash* (~0.1% of keys at full load
+  with ``B = 8``), searched with ``searchsorted``. Only a full stash (``capacity / 256`` keys)
+  doubles ``nb`` and rebuilds; each doubling adds a hash bit, and full hashes of distinct keys
+  differ, so growth ends.
+- Empty entries of bucket ``b`` hold a *filler* key whose two buckets are both ``b ^ 1``; a key
+  probing ``b`` therefore never equals it, so a key match is always a live entry and ``find``
+  compares keys only, then reads one slot per key.
+- Keys of one insert batch that target the same bucket are sorted by bucket; the key of rank
+  ``r`` in its bucket takes the bucket's ``r``-th free entry.
+
+Neither class is thread-safe: the caller serializes access to an index (the cache holds a lock per
+table). Concurrent ``find`` calls on different NumbaIndex objects are fine.
 """
 
 from __future__ import annotations
@@ -197,7 +207,7 @@ class TorchIndex(KeyIndex):
         bucket_width: entries per bucket ``B``; one bucket of keys is ``B * 8`` bytes.
     """
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu", bucket_width: int = 16) -> None:
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", bucket_width: int = 8) -> None:
         super().__init__(capacity, device)
         if bucket_width < 8 or bucket_width % 8:
             raise ValueError(f"bucket_width must be a positive multiple of 8, got {bucket_width}")

@@ -25,6 +25,7 @@ from embcache import (
     InvalidKeysError,
     InvalidRowsError,
     NonFiniteGradientError,
+    StoreFullError,
     StoreLockedError,
     TableConfig,
     TableConflictError,
@@ -413,3 +414,50 @@ def test_config_errors() -> None:
         CacheConfig(store="redis")
     with pytest.raises(ConfigError, match="exceed 90%"):
         CacheConfig(hbm_bytes=1 << 50, ddr_bytes=0, device="cpu")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Any) -> Any:
+    """An 8 MiB tmpfs: a real filesystem that fills up."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root: {proc.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_write_back_loses_nothing(small_disk: Any, store: str) -> None:
+    options = {"write_buffer_bytes": 1 << 20} if store == "rocksdb" else {}
+    cfg = CacheConfig(hbm_bytes=4 * 300, ddr_bytes=4 * 300, path=str(small_disk / "s"), store=store,
+                      device="cpu", store_options=options)
+    table = TableConfig(name="t", dim=64, optimizer="sgd", lr=1.0, seed=9)
+    cache = EmbeddingCache(cfg, [table])
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # fill the disk, then leave 1 MB for the store
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+    os.truncate(filler, os.path.getsize(filler) - 1_000_000)
+    applied = 0
+    with pytest.raises(StoreFullError, match="No space left|disk is still full"):
+        for _ in range(1000):
+            cache.apply_gradients("t", torch.arange(applied, applied + 64), torch.ones(64, 64))
+            applied += 64
+    assert applied > 0
+    # The failed batch changed nothing, every acknowledged update is there, lookups keep working.
+    keys = torch.arange(applied + 64)
+    want = expected_init(table, keys)
+    want[:applied] -= 1.0
+    with pytest.warns(UserWarning, match="could not be cached"):
+        torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
+    os.remove(filler)  # room again: writes, flush and close go through
+    cache.apply_gradients("t", keys[applied:], torch.ones(64, 64))
+    want[applied:] -= 1.0
+    cache.close()
+    with EmbeddingCache(cfg) as again:
+        torch.testing.assert_close(again.lookup("t", keys), want, rtol=0, atol=0)

@@ -196,15 +196,16 @@ def test_adversarial_collisions(make: Factory, pattern: str) -> None:
         assert ref.index.n_buckets == TorchIndex(capacity).n_buckets  # clear undoes growth
 
 
-def test_torch_stash() -> None:
-    # 40 keys for the same two buckets (of 16 entries each): 8 go to the stash, no growth.
-    index = TorchIndex(256)
+@pytest.mark.parametrize("width", [8, 16])
+def test_torch_stash(width: int) -> None:
+    # 40 keys for the same two buckets: 2 * width fit there, the rest go to the stash, no growth.
+    index = TorchIndex(256, bucket_width=width)
     nb = index.n_buckets
     keys = _colliding_keys(40, 5)
     ref = Reference(index)
     ref.insert(keys[:30], list(range(30)))
     ref.insert(keys[30:], list(range(30, 40)))
-    assert index.n_stashed == 8 and index.n_buckets == nb
+    assert index.n_stashed == 40 - 2 * width and index.n_buckets == nb
     ref.check([*keys, *keys[::-1], 12345])
     # The one-pass (sync-free, CUDA) find must agree, stash included.
     q = t([*keys, 12345, -1], index.device)

@@ -13,6 +13,7 @@ Only one process may open a path: RocksDB takes a file lock, and a second opener
 from __future__ import annotations
 
 import os
+import shutil
 from collections import deque
 from itertools import islice
 from typing import Any, cast
@@ -20,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import rocksdict
 
-from ..errors import StoreError, StoreLockedError
+from ..errors import StoreError, StoreFullError, StoreLockedError
 from .base import TABLE_PREFIX, Store
 
 __all__ = ["RocksDBStore"]
@@ -75,7 +76,39 @@ class RocksDBStore(Store):
         self._meta: Any = None
         self._cfs: dict[str, Any] = {}
         self._handles: dict[str, rocksdict.ColumnFamily] = {}
+        # After a failed write for lack of space RocksDB stops accepting writes (a sticky
+        # background error) even once space is freed, and rocksdict cannot call DB::Resume:
+        # the next operation reopens the database instead, replaying its WAL (nothing is lost).
+        self._needs_reopen = False
+        self._reopen_free_bytes = 2 * write_buffer_bytes
         super().__init__(path)
+
+    def _recover(self, write: bool) -> None:
+        """Reopen the database if an earlier out-of-space error left it refusing writes.
+
+        Reads go on from the database in its error state; a write reopens it once the disk has
+        room for a memtable again (else StoreFullError, and the next write tries again).
+        """
+        if not self._needs_reopen:
+            return
+        if self._db is not None:
+            if not write:
+                return
+            free = shutil.disk_usage(self.path).free
+            if free < self._reopen_free_bytes:
+                raise StoreFullError(
+                    f"rocksdb store at {self.path!r}: the disk is still full ({free} bytes free); "
+                    "free space and retry")
+            try:
+                self._close()
+            except Exception:  # closing a database in the error state may report the error again
+                self._db = None
+        self._open()
+        self._needs_reopen = False
+
+    def _note_failure(self, exc: BaseException) -> None:
+        if self._error_class(exc) is not StoreError:  # out of space: reopen before the next operation
+            self._needs_reopen = True
 
     def _open(self) -> None:
         if os.path.exists(os.path.join(self.path, "data.mdb")):
@@ -129,12 +162,14 @@ class RocksDBStore(Store):
         self._meta.put(TABLE_PREFIX + table.encode(), str(record_bytes).encode(), self._sync_opts)
 
     def _multi_get(self, table: str, keys: list[bytes]) -> tuple[np.ndarray, bytes]:
+        self._recover(write=False)
         values = self._cfs[table].get(keys)  # one batched MultiGet; None where absent
         # Records are never empty, so truthiness is exactly "found".
         found = np.fromiter(map(bool, values), dtype=np.bool_, count=len(keys))
         return found, b"".join(filter(None, values))
 
     def _write(self, table: str, keys: list[bytes], values: list[bytes] | None) -> None:
+        self._recover(write=True)
         assert self._db is not None
         batch = rocksdict.WriteBatch(raw_mode=True)
         batch.set_default_column_family(self._handles[table])
@@ -143,7 +178,14 @@ class RocksDBStore(Store):
             deque(map(batch.delete, keys), maxlen=0)
         else:
             deque(map(batch.put, keys, values), maxlen=0)
-        self._db.write(batch, self._write_opts)
+        try:
+            self._db.write(batch, self._write_opts)
+        except Exception as exc:
+            # The batch refers to a column-family handle, which keeps the database (and its
+            # LOCK) alive as long as the traceback holds this frame: drop it so a reopen works.
+            del batch
+            self._note_failure(exc)
+            raise
 
     def _scan_batch(self, table: str, start: bytes, limit: int) -> tuple[bytes, bytes, int]:
         # A fresh iterator per batch: an iterator alive across yields would keep the database
@@ -164,12 +206,22 @@ class RocksDBStore(Store):
         return None if value is None else bytes(value)
 
     def _put_meta(self, key: bytes, value: bytes) -> None:
+        self._recover(write=True)
         assert self._meta is not None
-        self._meta.put(key, value, self._write_opts)
+        try:
+            self._meta.put(key, value, self._write_opts)
+        except Exception as exc:
+            self._note_failure(exc)
+            raise
 
     def _flush(self) -> None:
+        self._recover(write=True)
         assert self._db is not None
-        self._db.flush_wal(True)
+        try:
+            self._db.flush_wal(True)
+        except Exception as exc:
+            self._note_failure(exc)
+            raise
 
     def _checkpoint(self, directory: str) -> None:
         assert self._db is not None
