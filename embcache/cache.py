@@ -46,9 +46,9 @@ from .errors import (
     InvalidKeysError,
     InvalidRowsError,
     NonFiniteGradientError,
+    StoreError,
     StoreLockedError,
     TableConflictError,
-    StoreError,
     UnknownTableError,
 )
 from .init import init_rows

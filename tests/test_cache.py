@@ -444,7 +444,7 @@ def test_disk_full_during_write_back_loses_nothing(small_disk: Any, store: str) 
             pass
     os.truncate(filler, os.path.getsize(filler) - 1_000_000)
     applied = 0
-    with pytest.raises(StoreFullError, match="No space left|disk is still full"):
+    with pytest.raises(StoreFullError, match=r"No space left|disk is still full"):
         for _ in range(1000):
             cache.apply_gradients("t", torch.arange(applied, applied + 64), torch.ones(64, 64))
             applied += 64

@@ -255,6 +255,10 @@ def test_numba_and_torch_agree() -> None:
         assert torch.equal(a, b)
         assert int((a >= 0).sum()) > 2000
         assert len(indexes[0]) == len(indexes[1]) == len(present)
+    # A batch large enough for NumbaIndex's parallel kernel.
+    big = torch.from_numpy(rng.choice(np.array(present + EXTREME), 3 * index_mod._PARALLEL_MIN))
+    a, b = (ix.find(big) for ix in indexes)
+    assert torch.equal(a, b)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
