@@ -20,14 +20,17 @@ table lock in name order. The store itself is shared and thread-safe.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -66,6 +69,20 @@ _LOCK_FILE = "embcache.lock"
 _STORE_DIR = "store"
 _MIN_SKETCH_WIDTH = 4096
 _MAX_SKETCH_WIDTH = 1 << 22
+
+
+# Caches still open at interpreter exit are closed (dirty rows written) by an atexit hook, which
+# runs before finalization: torch cannot safely make tensors from __del__ while finalizing.
+_OPEN_CACHES: weakref.WeakSet[EmbeddingCache] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_caches() -> None:
+    for cache in list(_OPEN_CACHES):
+        try:
+            cache.close()
+        except Exception as exc:  # pragma: no cover - reported, exit goes on
+            print(f"embcache: closing {cache.config.path!r} at exit failed: {exc}", file=sys.stderr)
 
 
 def _next_pow2(n: int) -> int:
@@ -188,6 +205,7 @@ class EmbeddingCache:
             self._release()
             raise
         self._closed = False
+        _OPEN_CACHES.add(self)
 
     # ------------------------------------------------------------------ opening and closing
     def _acquire_path_lock(self) -> None:
@@ -261,6 +279,7 @@ class EmbeddingCache:
                 self._flush_locked(save_frequencies=True)
             finally:
                 self._closed = True
+                _OPEN_CACHES.discard(self)
                 self._release()
 
     def __enter__(self) -> EmbeddingCache:
@@ -270,7 +289,7 @@ class EmbeddingCache:
         self.close()
 
     def __del__(self) -> None:  # a forgotten close must not leave the path locked in this process
-        if getattr(self, "_closed", True) is False:
+        if getattr(self, "_closed", True) is False and not sys.is_finalizing():
             try:
                 self.close()
             except Exception:
@@ -592,7 +611,7 @@ class EmbeddingCache:
         t = self._table(table)
         keys = self._keys(keys)
         grads = self._rows_arg("gradients", grads, keys.numel(), t.cfg.dim, InvalidGradientError)
-        if self._config.reject_nonfinite and not bool(torch.isfinite(grads).all()):
+        if self._config.reject_nonfinite and not _all_finite(grads):
             raise NonFiniteGradientError(
                 "gradients contain NaN or inf; nothing was applied (pass reject_nonfinite=False to allow)")
         if keys.numel() == 0:
@@ -625,7 +644,7 @@ class EmbeddingCache:
         t = self._table(table)
         keys = self._keys(keys)
         rows = self._rows_arg("rows", rows, keys.numel(), t.cfg.dim, InvalidRowsError)
-        if not bool(torch.isfinite(rows).all()):
+        if not _all_finite(rows):
             raise InvalidRowsError("rows contain NaN or inf; nothing was assigned")
         if keys.numel() == 0:
             return
@@ -664,12 +683,15 @@ class EmbeddingCache:
         undo = []
         for tier, slots, idx in ((t.hbm, h_slots, h_idx), (t.ddr, d_slots, d_idx)):
             if slots.numel():
-                old = (tier.weights[slots].clone(), tier.state[slots].clone(), tier.dirty[slots].clone())
-                w, s = fn(tier.weights[slots], tier.state[slots], idx)
+                # advanced indexing copies: these are the old rows, kept to undo a failed placement
+                old = (tier.weights[slots], tier.state[slots], tier.dirty[slots])
+                w, s = fn(old[0], old[1], idx)
                 tier.write(slots, w, s)
                 undo.append((tier, slots, old))
-        now, inc = t.clock.now, t.clock.increment()
         skeys = rest_keys[~in_d]
+        if skeys.numel() == 0:  # every row was in memory: nothing to stage or place
+            return
+        now, inc = t.clock.now, t.clock.increment()
         if read_store:
             staged = self._stage(t, skeys, None, inc, now)
         else:
@@ -829,6 +851,13 @@ class EmbeddingCache:
         with t.lock:
             mt = {"hbm": t.hbm, "ddr": t.ddr}[Tier(tier).value]
             return mt.keys[mt.occupied_slots()].cpu()
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    """True when no element is NaN or inf (one reduction; the elementwise check only if the sum overflows)."""
+    if bool(torch.isfinite(values.sum())):  # NaN or inf anywhere makes the sum NaN or inf
+        return True
+    return bool(torch.isfinite(values).all())
 
 
 def _copy_store(manifest: dict[str, Any], source: str, config: CacheConfig, target: str) -> None:

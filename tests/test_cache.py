@@ -461,3 +461,19 @@ def test_disk_full_during_write_back_loses_nothing(small_disk: Any, store: str) 
     cache.close()
     with EmbeddingCache(cfg) as again:
         torch.testing.assert_close(again.lookup("t", keys), want, rtol=0, atol=0)
+
+
+def test_exit_without_close_writes_back_and_exits_cleanly(tmp_path: Any, store: str) -> None:
+    path = tmp_path / "atexit"
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {ROOT!r})
+        from embcache import EmbeddingCache, CacheConfig, TableConfig
+        cache = EmbeddingCache(CacheConfig(hbm_bytes=600, ddr_bytes=600, path={str(path)!r}, store={store!r},
+                                           device="cpu"), [TableConfig(name="t", dim=8, lr=1.0, initializer="zeros")])
+        cache.apply_gradients("t", torch.arange(50), torch.ones(50, 8))
+    """)  # no close(): the atexit hook must write the dirty rows back
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with EmbeddingCache(CacheConfig(hbm_bytes=0, ddr_bytes=0, path=str(path), store=store, device="cpu")) as cache:
+        torch.testing.assert_close(cache.lookup("t", torch.arange(50)), torch.full((50, 8), -1.0))
