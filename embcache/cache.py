@@ -473,11 +473,13 @@ class EmbeddingCache:
                                          keys[new], t.cfg.dim, t.cfg.torch_dtype)
                 state[new] = initial_state(t.cfg.optimizer, t.cfg.dim, int(new.sum()), torch.device("cpu"),
                                            t.cfg.initial_accumulator_value)
-            if counts is not None:
-                t.sketch.add(keys, counts.to(torch.float64) * inc)
-                t.stats.ssd.hits += int(counts[fmask].sum())
-                t.stats.ssd.created += int(counts[new].sum())
-        freq = t.sketch.estimate(keys) if n else torch.empty(0, dtype=torch.float64)
+        if n and counts is not None:
+            freq = t.sketch.add_and_estimate(keys, counts.to(torch.float64) * inc)
+            n_found = int(counts[fmask].sum())
+            t.stats.ssd.hits += n_found
+            t.stats.ssd.created += int(counts.sum()) - n_found
+        else:
+            freq = t.sketch.estimate(keys) if n else torch.empty(0, dtype=torch.float64)
         return RowBatch(keys, weights, state, freq, torch.full((n,), now, dtype=torch.int64),
                         torch.zeros(n, dtype=torch.bool))
 
@@ -551,8 +553,10 @@ class EmbeddingCache:
         Raises:
             StoreError: writing back rows that leave memory failed; nothing changed.
         """
-        now = t.clock.now
         n_d = ddr_cands.numel()
+        if n_d == 0 and len(staged) == 0:
+            return
+        now = t.clock.now
         d_scores = t.policy.score(t.ddr.freq[ddr_cands], t.ddr.last[ddr_cands], now)
         s_scores = t.policy.score(staged.freq, staged.last, now)
         # 1. HBM: promote the best of (DDR rows accessed, staged rows)

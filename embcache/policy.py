@@ -165,6 +165,13 @@ class FrequencySketch:
         cells = self._cells(keys)
         self.counts.index_add_(0, cells.reshape(-1), amounts.to(self.device, torch.float64).repeat(self.depth))
 
+    def add_and_estimate(self, keys: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
+        """:meth:`add`, then :meth:`estimate` of the same (unique) keys, hashing them once."""
+        cells = self._cells(keys)
+        flat = cells.reshape(-1)
+        self.counts.index_add_(0, flat, amounts.to(self.device, torch.float64).repeat(self.depth))
+        return self.counts[cells].amin(dim=0)
+
     def estimate(self, keys: torch.Tensor) -> torch.Tensor:
         """Upper-bound estimates (float64 [n]) of the aged frequency of ``keys``."""
         return self.counts[self._cells(keys)].amin(dim=0)
