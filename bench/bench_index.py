@@ -15,8 +15,10 @@ of a frequency-based cache), queried with batches of 65,536 keys drawn Zipf(alph
   as a fraction of ``index_select`` alone on the same slots (the brief asks >= 0.8).
 
 Prints a Markdown table and writes ``bench/results/index.json``. A rate is batch size over the
-best (minimum) time of one batch across the repetitions, after a warm-up; the machine is shared,
-and the minimum is the least disturbed by other processes (medians are in the JSON as well).
+best (minimum) time of one batch across the repetitions (in rounds cycling through the indexes,
+after a warm-up): on a shared machine the minimum is the least disturbed by other processes.
+Medians are in the JSON too; the lookup ratio there is also given as the median over back-to-back
+(index_select alone, lookup) pairs.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class DictIndex:
             pop(k)
 
 
-def timings(fn: Callable[[int], Any], reps: int, warmup: int = 3) -> list[float]:
+def timings(fn: Callable[[int], Any], reps: int, warmup: int = 2) -> list[float]:
     """Wall times of ``fn(i)`` for ``i`` in ``range(reps)``, after ``warmup`` untimed calls."""
     for i in range(warmup):
         fn(i)
@@ -103,68 +105,87 @@ def main() -> None:
     weights = torch.randn(cap, args.dim)
     rows_of = expect.clamp_min(0)
 
-    t_select = timings(lambda i: weights.index_select(0, rows_of[i % n_batches]), args.reps)
-
     makers: dict[str, Callable[[], Any]] = {
         "NumbaIndex": lambda: NumbaIndex(cap),
         "TorchIndex (cpu)": lambda: TorchIndex(cap, "cpu"),
         "dict": DictIndex,
     }
-    rows: list[dict[str, Any]] = []
+    indexes: dict[str, Any] = {}
     for name, make in makers.items():
-        index = make()
+        index = indexes[name] = make()
         index.insert(resident, slots)
-        reps = args.reps if name != "dict" else max(3, args.reps // 8)
         for i in range(n_batches):  # every batch answered right before anything is timed
             assert torch.equal(index.find(zipf_batches[i]), expect[i]), name
             assert torch.equal(index.find(uniform_batches[i]), expect_uniform[i]), name
 
-        t_zipf = timings(lambda i, ix=index: ix.find(zipf_batches[i % n_batches]), reps)
-        t_uni = timings(lambda i, ix=index: ix.find(uniform_batches[i % n_batches]), reps)
+    # The machine may be shared: time in rounds that cycle through the indexes, so that a burst
+    # of outside load hits all of them rather than one, and time index_select alone paired with
+    # each lookup (same batch, back to back) for the lookup ratio.
+    rounds = 4
+    t: dict[str, dict[str, list[float]]] = {
+        name: {k: [] for k in ("zipf", "uniform", "lookup", "select", "erase", "insert")} for name in indexes}
+    for r in range(rounds):
+        for name, index in indexes.items():
+            reps = max(1, args.reps // rounds if name != "dict" else args.reps // (8 * rounds))
+            tn = t[name]
+            tn["zipf"] += timings(lambda i, ix=index: ix.find(zipf_batches[i % n_batches]), reps)
+            tn["uniform"] += timings(lambda i, ix=index: ix.find(uniform_batches[i % n_batches]), reps)
 
-        def lookup(i: int, ix: Any = index) -> torch.Tensor:
-            found = ix.find(zipf_batches[i % n_batches])
-            return weights.index_select(0, found.clamp_min(0))
+            def pair(i: int, ix: Any = index, tn: dict[str, list[float]] = tn) -> None:
+                b = zipf_batches[i % n_batches]
+                t0 = time.perf_counter()
+                weights.index_select(0, rows_of[i % n_batches])
+                t1 = time.perf_counter()
+                weights.index_select(0, ix.find(b).clamp_min(0))
+                t2 = time.perf_counter()
+                tn["select"].append(t1 - t0)
+                tn["lookup"].append(t2 - t1)
 
-        t_lookup = timings(lookup, reps)
-        # index_select alone again, right after this index's lookups, so that both see the same
-        # machine state (other processes, caches, numba's worker threads).
-        t_sel = timings(lambda i: weights.index_select(0, rows_of[i % n_batches]), reps)
-        t_select += t_sel
+            for i in range(reps + 1):
+                pair(i)
+            del tn["select"][-reps - 1], tn["lookup"][-reps - 1]  # the first pair warms up
 
-        def churn_once(i: int, ix: Any = index) -> tuple[float, float]:
-            # Erase one batch of resident keys and insert them back: the index stays at
-            # capacity, as a full tier's does under eviction.
-            j = (i * batch) % (cap - batch + 1)
-            keys, where = resident[j:j + batch], slots[j:j + batch]
-            t0 = time.perf_counter()
-            ix.erase(keys)
-            t1 = time.perf_counter()
-            ix.insert(keys, where)
-            return t1 - t0, time.perf_counter() - t1
+            for i in range(reps + 1):
+                # Erase one batch of resident keys and insert them back: the index stays at
+                # capacity, as a full tier's does under eviction.
+                j = ((r * (reps + 1) + i) * batch) % (cap - batch + 1)
+                keys, where = resident[j:j + batch], slots[j:j + batch]
+                t0 = time.perf_counter()
+                index.erase(keys)
+                t1 = time.perf_counter()
+                index.insert(keys, where)
+                t2 = time.perf_counter()
+                if i:
+                    tn["erase"].append(t1 - t0)
+                    tn["insert"].append(t2 - t1)
 
-        pairs = [churn_once(i) for i in range(reps + 1)][1:]
-        t_era, t_ins = [p[0] for p in pairs], [p[1] for p in pairs]
+    rows: list[dict[str, Any]] = []
+    t_select: list[float] = []
+    for name, index in indexes.items():
         assert torch.equal(index.find(zipf_batches[0]), expect[0]), name
+        tn = t[name]
+        t_select += tn["select"]
+
+        def rates(stat: Callable[[list[float]], float], tn: dict[str, list[float]] = tn) -> dict[str, float]:
+            return {
+                "find_zipf_keys_per_s": batch / stat(tn["zipf"]),
+                "find_uniform_keys_per_s": batch / stat(tn["uniform"]),
+                "erase_keys_per_s": batch / stat(tn["erase"]),
+                "insert_keys_per_s": batch / stat(tn["insert"]),
+                "lookup_rows_per_s": batch / stat(tn["lookup"]),
+                "index_select_rows_per_s": batch / stat(tn["select"]),
+            }
+
+        best = rates(min)
         rows.append({
             "index": name,
-            "find_zipf_keys_per_s": batch / min(t_zipf),
-            "find_uniform_keys_per_s": batch / min(t_uni),
-            "erase_keys_per_s": batch / min(t_era),
-            "insert_keys_per_s": batch / min(t_ins),
-            "lookup_rows_per_s": batch / min(t_lookup),
-            "index_select_rows_per_s": batch / min(t_sel),
-            "lookup_vs_index_select": min(t_sel) / min(t_lookup),
-            "median": {
-                "find_zipf_keys_per_s": batch / statistics.median(t_zipf),
-                "find_uniform_keys_per_s": batch / statistics.median(t_uni),
-                "erase_keys_per_s": batch / statistics.median(t_era),
-                "insert_keys_per_s": batch / statistics.median(t_ins),
-                "lookup_rows_per_s": batch / statistics.median(t_lookup),
-                "index_select_rows_per_s": batch / statistics.median(t_sel),
-            },
+            **best,
+            "lookup_vs_index_select": best["lookup_rows_per_s"] / best["index_select_rows_per_s"],
+            "lookup_vs_index_select_median_of_pairs": statistics.median(
+                s / lk for s, lk in zip(tn["select"], tn["lookup"], strict=True)),
+            "median": rates(statistics.median),
+            "samples": {k: len(v) for k, v in tn.items()},
         })
-        del index
 
     result = {
         "command": ".venv/bin/python bench/bench_index.py",
@@ -175,6 +196,7 @@ def main() -> None:
         "zipf_hit_ratio": hit_ratio,
         "dim": args.dim,
         "reps": args.reps,
+        "rounds": rounds,
         "index_select_rows_per_s": batch / min(t_select),
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),

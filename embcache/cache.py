@@ -137,7 +137,7 @@ class _Table:
         self.ddr = MemoryTier(Tier.DDR, ddr_rows, cfg.dim, self.state_width, dtype, torch.device("cpu"),
                               pin=device.type == "cuda")
         memory_rows = hbm_rows + ddr_rows
-        halflife = config.halflife if config.halflife is not None else float(max(4 * memory_rows, 1024))
+        halflife = config.halflife if config.halflife is not None else float(max(16 * memory_rows, 1024))
         self.clock = Clock(halflife if policy.aging else math.inf)
         width = config.sketch_width or min(max(_next_pow2(4 * memory_rows), _MIN_SKETCH_WIDTH), _MAX_SKETCH_WIDTH)
         self.sketch = FrequencySketch(width, device=torch.device("cpu"))

@@ -164,7 +164,7 @@ class CacheConfig:
         policy: "lrfu" (default: exponentially aged frequency, i.e. LFU with recency),
             "lfu" (plain counts), "lru", or a callable ``fn(freq, last, now) -> score``.
         halflife: accesses after which a past access counts half (policy "lrfu"); None =
-            4x the table's rows in memory.
+            16x the table's rows in memory (tuned on bench/bench_policy.py workloads).
         admission: a row from below enters a full tier only if its (sketched) frequency beats
             the victim's. Ignored by "lru".
         sketch_width: columns of the count-min sketch of non-resident rows (power of two);

@@ -238,6 +238,7 @@ def test_numba_and_torch_agree() -> None:
     capacity = 2000
     indexes = [NumbaIndex(capacity), TorchIndex(capacity)]
     present: list[int] = []
+    d: dict[int, int] = {}
     for _ in range(20):
         new = rng.integers(I64_MIN, I64_MAX, 600, dtype=np.int64, endpoint=True)
         new = new[~np.isin(new, present)][: capacity - len(present)]
@@ -245,6 +246,7 @@ def test_numba_and_torch_agree() -> None:
         for ix in indexes:
             ix.insert(torch.from_numpy(new), torch.from_numpy(slots))
         present += new.tolist()
+        d.update(zip(new.tolist(), slots.tolist(), strict=True))
         gone = rng.permutation(np.array(present, dtype=np.int64))[: len(present) // 3]
         for ix in indexes:
             ix.erase(torch.from_numpy(gone))
@@ -255,10 +257,12 @@ def test_numba_and_torch_agree() -> None:
         assert torch.equal(a, b)
         assert int((a >= 0).sum()) > 2000
         assert len(indexes[0]) == len(indexes[1]) == len(present)
-    # A batch large enough for NumbaIndex's parallel kernel.
-    big = torch.from_numpy(rng.choice(np.array(present + EXTREME), 3 * index_mod._PARALLEL_MIN))
+    # A batch large enough for NumbaIndex to share it with helper threads (uneven last chunk).
+    big = torch.from_numpy(rng.choice(np.array(present + EXTREME), 5 * index_mod._CHUNK + 123))
     a, b = (ix.find(big) for ix in indexes)
     assert torch.equal(a, b)
+    alive = set(present)
+    assert a.tolist() == [d[k] if k in alive else -1 for k in big.tolist()]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -310,3 +314,19 @@ def test_numba_rejects_cuda() -> None:
     pytest.importorskip("numba")
     with pytest.raises(ValueError):
         NumbaIndex(4, torch.device("cuda"))
+
+
+def test_numba_big_table_on_huge_pages() -> None:
+    # Capacity 2**18: a 8 MiB table, allocated through the huge-page path where there is one.
+    pytest.importorskip("numba")
+    index = NumbaIndex(1 << 18)
+    assert index.table_size == 1 << 19
+    keys = torch.from_numpy(np.random.default_rng(5).permutation(1 << 20)[: 1 << 18].astype(np.int64)) - (1 << 19)
+    index.insert(keys, torch.arange(keys.numel()))
+    assert torch.equal(index.find(keys), torch.arange(keys.numel()))
+    index.erase(keys[::2])
+    assert len(index) == keys.numel() // 2
+    want = torch.where(torch.arange(keys.numel()) % 2 == 0, -1, torch.arange(keys.numel()))
+    assert torch.equal(index.find(keys), want)
+    index.clear()
+    assert len(index) == 0 and bool((index.find(keys) == -1).all())
