@@ -307,11 +307,25 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _command(argv: Sequence[str]) -> str:
+    """The command that regenerates these numbers (the output directory left out)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return " ".join([".venv/bin/python bench/bench_policy.py", *kept])
 
 
 def _json_safe(obj: Any) -> Any:
@@ -379,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": "bench/bench_policy.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": _command(sys.argv[1:] if argv is None else argv),
         "config": {
             "n_keys": args.n_keys,
             "n_accesses": args.n_accesses,
