@@ -411,17 +411,19 @@ class EmbeddingCache:
                 t.hbm.touch(slots, torch.full((n,), inc, dtype=torch.float64, device=self._device), now)
                 t.stats.hbm.seconds += time.perf_counter() - t0
             else:
+                # index_select / index_copy_: several times faster on CPU than out[pos] = ... (index_put_)
                 hit_pos = torch.nonzero(hit).flatten()
                 if n_hit:
-                    hs = slots[hit_pos]
-                    out[hit_pos] = t.hbm.weights[hs].to(torch.float32)
+                    hs = slots.index_select(0, hit_pos)
+                    out.index_copy_(0, hit_pos, t.hbm.weights.index_select(0, hs).to(torch.float32))
                     t.hbm.touch(hs, torch.full((n_hit,), inc, dtype=torch.float64, device=self._device), now)
                 t1 = time.perf_counter()
                 t.stats.hbm.seconds += t1 - t0
                 miss_pos = torch.nonzero(~hit).flatten()
-                ukeys, inverse, counts = torch.unique(keys[miss_pos], return_inverse=True, return_counts=True)
+                ukeys, inverse, counts = torch.unique(keys.index_select(0, miss_pos), return_inverse=True,
+                                                      return_counts=True)
                 values = self._lookup_below_hbm(t, ukeys, counts, inc, now)
-                out[miss_pos] = values[inverse]
+                out.index_copy_(0, miss_pos, values.index_select(0, inverse))
             t.stats.lookups += n
             t.stats.hbm.hits += n_hit
             self._advance_clock(t, n)
@@ -435,15 +437,17 @@ class EmbeddingCache:
         dslots = t.ddr.find(cpu_keys)
         in_ddr = dslots >= 0
         values = torch.empty(ukeys.numel(), t.cfg.dim, dtype=torch.float32)
-        d_slots = dslots[in_ddr]
+        d_pos = torch.nonzero(in_ddr).flatten()
+        d_slots = dslots.index_select(0, d_pos)
         if d_slots.numel():
-            values[in_ddr] = t.ddr.weights[d_slots].to(torch.float32)
-            t.ddr.touch(d_slots, cpu_counts[in_ddr].to(torch.float64) * inc, now)
-            t.stats.ddr.hits += int(cpu_counts[in_ddr].sum())
+            values.index_copy_(0, d_pos, t.ddr.weights.index_select(0, d_slots).to(torch.float32))
+            d_counts = cpu_counts.index_select(0, d_pos)
+            t.ddr.touch(d_slots, d_counts.to(torch.float64) * inc, now)
+            t.stats.ddr.hits += int(d_counts.sum())
         t.stats.ddr.seconds += time.perf_counter() - t1
-        miss = ~in_ddr
-        staged = self._stage(t, cpu_keys[miss], cpu_counts[miss], inc, now)
-        values[miss] = staged.weights.to(torch.float32)
+        s_pos = torch.nonzero(~in_ddr).flatten()
+        staged = self._stage(t, cpu_keys.index_select(0, s_pos), cpu_counts.index_select(0, s_pos), inc, now)
+        values.index_copy_(0, s_pos, staged.weights.to(torch.float32))
         try:
             self._place(t, d_slots, staged)
         except StoreError as exc:

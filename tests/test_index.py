@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import sys
 from collections.abc import Callable
 
@@ -330,3 +332,22 @@ def test_numba_big_table_on_huge_pages() -> None:
     assert torch.equal(index.find(keys), want)
     index.clear()
     assert len(index) == 0 and bool((index.find(keys) == -1).all())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_numba_find_after_fork() -> None:
+    # Helper threads do not survive a fork; a child must get fresh ones, not wait on dead ones.
+    pytest.importorskip("numba")
+    index = NumbaIndex(1 << 16)
+    keys = torch.arange(1 << 16, dtype=torch.int64) * 3
+    index.insert(keys, torch.arange(1 << 16))
+    q = keys.repeat(2)
+    want = np.tile(np.arange(1 << 16), 2)
+    assert (index.find(q).numpy() == want).all()  # the parent starts its helpers
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        # Only numpy and numba here: torch's own OpenMP pool is not usable after a fork.
+        faulthandler.dump_traceback_later(20, exit=True)
+        os._exit(0 if (index.find(q).numpy() == want).all() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
