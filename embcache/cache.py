@@ -408,7 +408,7 @@ class EmbeddingCache:
                     torch.index_select(t.hbm.weights, 0, slots, out=out)
                 else:
                     out.copy_(t.hbm.weights[slots])
-                t.hbm.touch(slots, torch.full((n,), inc, dtype=torch.float64, device=self._device), now)
+                t.hbm.touch_each(slots, inc, now)
                 t.stats.hbm.seconds += time.perf_counter() - t0
             else:
                 # index_select / index_copy_: several times faster on CPU than out[pos] = ... (index_put_)
@@ -416,7 +416,7 @@ class EmbeddingCache:
                 if n_hit:
                     hs = slots.index_select(0, hit_pos)
                     out.index_copy_(0, hit_pos, t.hbm.weights.index_select(0, hs).to(torch.float32))
-                    t.hbm.touch(hs, torch.full((n_hit,), inc, dtype=torch.float64, device=self._device), now)
+                    t.hbm.touch_each(hs, inc, now)
                 t1 = time.perf_counter()
                 t.stats.hbm.seconds += t1 - t0
                 miss_pos = torch.nonzero(~hit).flatten()

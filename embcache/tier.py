@@ -9,7 +9,7 @@ cache) serializes access with the table's lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -17,6 +17,29 @@ from .index import make_index
 from .types import Tier
 
 __all__ = ["MemoryTier", "RowBatch"]
+
+_touch_kernel: Any = None
+
+
+def _numba_touch() -> Any:
+    """A numba kernel adding one constant access to each slot (None without numba)."""
+    global _touch_kernel
+    if _touch_kernel is None:
+        try:
+            import numba
+        except ImportError:
+            _touch_kernel = False
+            return None
+
+        @numba.njit(nogil=True, cache=True)  # type: ignore[misc]
+        def touch(freq: Any, last: Any, slots: Any, inc: float, now: int) -> None:  # pragma: no cover - compiled
+            for i in range(slots.shape[0]):
+                s = slots[i]
+                freq[s] += inc
+                last[s] = now
+
+        _touch_kernel = touch
+    return _touch_kernel or None
 
 
 @dataclass
@@ -110,6 +133,17 @@ class MemoryTier:
         """Add ``amounts`` (float64 [n]) to the aged frequencies of ``slots`` (int64 [n], may repeat)."""
         self.freq.index_add_(0, slots, amounts.to(self.device))
         self.last.index_fill_(0, slots, now)
+
+    def touch_each(self, slots: torch.Tensor, increment: float, now: int) -> None:
+        """Count one access of weight ``increment`` per entry of ``slots`` (duplicates count each).
+
+        On the CPU one serial numba pass (the hot path of every all-hit lookup); elsewhere torch ops.
+        """
+        kernel = _numba_touch() if self.device.type == "cpu" else None
+        if kernel is not None:
+            kernel(self.freq.numpy(), self.last.numpy(), slots.numpy(), increment, now)
+        else:
+            self.touch(slots, torch.full(slots.shape, increment, dtype=torch.float64, device=self.device), now)
 
     def read(self, slots: torch.Tensor) -> RowBatch:
         """Copies of the rows at ``slots`` (no change to the tier)."""
