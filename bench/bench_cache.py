@@ -1,0 +1,844 @@
+"""Main benchmark of embcache: lookup, and lookup + row-wise AdaGrad update, against the ceiling and peers.
+
+Run from the repository root::
+
+    .venv/bin/python bench/bench_cache.py            # full: ~8 min on 2 cores
+    .venv/bin/python bench/bench_cache.py --quick    # batch 8,192, dim 64, short traces: < 3 min
+
+The FBGEMM peer runs in its own virtual environment (fbgemm-gpu-cpu pins one torch minor
+version; 1.8.x goes with torch 2.13), found at ``--fbgemm-python`` (default
+``$EMBCACHE_FBGEMM_PYTHON``, else ``/tmp/fbgemm-venv/bin/python``). Set it up once with::
+
+    python3 -m venv /tmp/fbgemm-venv
+    /tmp/fbgemm-venv/bin/pip install torch==2.13.0 fbgemm-gpu-cpu==1.8.0   # torch's CPU build
+
+Without it the FBGEMM figures are reported as unavailable, with the reason, and the rest runs.
+
+Workload: keys drawn Zipf(alpha=1.1) over 10M ids (``bench/workloads.py``'s inverse-CDF ranks),
+each rank mapped to a sparse int64 id by a bijection of the 64-bit patterns (rank times an odd
+constant, xor a seed), so the ids are scattered over the whole int64 range. Seeded. Batches of
+8,192 and 65,536 keys, dim 64 and 128, table ``rowwise_adagrad`` (lr 0.01), CPU device.
+
+Cases, each measured side by side in this one run:
+
+1. **All-hot lookup.** The HBM tier is sized to hold every distinct key of the trace (the table
+   is those keys only, ~590K rows in the full run, not all 10M ids: 10M x dim 128 is 5 GB; the
+   key space stays the 10M sparse ids). Warm-up looks up every distinct key once, so all are
+   resident; the timed lookups are checked to be 100% HBM hits. Timed: ``lookup(keys,
+   out=buffer)`` over the whole trace. Ceiling: ``torch.index_select(weights, 0, idx,
+   out=buffer)`` on a ``[n_rows, dim]`` float32 tensor with ``idx`` the same keys mapped to
+   dense row ids. The two alternate within each repeat. Target: >= 0.8x the ceiling.
+2. **All-hot lookup + update.** ``lookup`` then ``apply_gradients`` (a fixed random gradient)
+   per batch, rows/s of the pair. Peer: FBGEMM's CPU TBE (``SplitTableBatchedEmbeddingBagsCodegen``,
+   ``EmbeddingLocation.HOST``, ``ComputeDevice.CPU``, ``EXACT_ROWWISE_ADAGRAD``, one key per
+   bag) forward + backward over the same dense ids, table of the same rows; pooling ``SUM`` and
+   ``NONE`` are both timed and the faster is the reference. FBGEMM runs in a subprocess in its
+   venv (``bench/fbgemm_tbe.py --serve``) that times one repeat per request, so its repeats
+   alternate with the cache's. Target: >= 5x FBGEMM.
+3. **Tiered lookup.** The store is prefilled with every distinct id of a longer trace (written
+   with ``assign`` through a cache with no memory tiers, then closed, so nothing is in memory);
+   HBM holds 1% and DDR 10% of those ids (of the trace's distinct ids, i.e. of the table
+   as stored), the rest stays in RocksDB. The first half of the trace warms up (discarded);
+   the second half is timed in segments (the repeats). Peers, each over its own copy of the
+   same store and the same batches with the same warm-up, all open at once and run segment by
+   segment in turn: RocksDB direct (``store.get_many``
+   of the batch: unique keys, one multi-get, gather; then the float32 weights copied into an
+   output buffer) and a Python ``OrderedDict`` LRU of HBM+DDR rows in front of the same store
+   (per-key dict work in Python, one batched ``get_many`` for the misses of a batch). Per-tier
+   hit rates are reported. Target: >= 20x RocksDB direct. The store's files were just
+   written, so they sit in the OS page cache: RocksDB reads are warm-cache reads, which
+   favours the RocksDB peer.
+
+Threads: every contender runs with the same thread count, 1 by default (``--threads``; torch's
+and numba's pools, and the FBGEMM subprocess). On a 2-core machine shared with other work,
+torch's 2-thread OpenMP regions stall whenever the other core is busy (``index_select`` of 8,192
+rows went from ~20M to ~1M rows/s with one core taken), which made 2-thread figures swing by
+10x from run to run; ``--threads 0`` keeps the libraries' defaults for a quiet machine.
+
+Every rate is the median over repeats (after discarded warm-up) of rows / wall-clock seconds;
+min and max are in the JSON too. Prints a Markdown table; writes ``bench/results/cache.json``,
+``cache.md`` and ``cache.png`` (``cache-quick.*`` with ``--quick``). ``--profile`` adds a cProfile
+of the cache's tiered lookup (top functions) to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import math
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def _threads_arg(argv: Sequence[str]) -> int:
+    """The value of ``--threads`` in ``argv`` (default 1), read before numba and embcache are imported."""
+    for i, a in enumerate(argv):
+        if a == "--threads" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith("--threads="):
+            return int(a.split("=", 1)[1])
+    return 1
+
+
+if __name__ == "__main__" and _threads_arg(sys.argv) > 0:
+    # numba sizes its pool, and embcache's index its helper threads, from this variable
+    os.environ["NUMBA_NUM_THREADS"] = str(_threads_arg(sys.argv))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from _common import (  # noqa: E402
+    interleaved_timings,
+    machine_info,
+    markdown_table,
+    rate_summary,
+    write_json,
+)
+from workloads import zipf_ranks  # noqa: E402
+
+from embcache import CacheConfig, EmbeddingCache, TableConfig  # noqa: E402
+from embcache.stores import Store, open_store  # noqa: E402
+
+TABLE = "emb"
+KEY_SPACE = 10_000_000
+ALPHA = 1.1
+LR = 0.01
+EPS = 1e-10  # embcache's default eps for rowwise_adagrad; FBGEMM is given the same
+STORE_SUBDIR = "store"  # where EmbeddingCache keeps its store under config.path
+TARGETS = {"lookup": 0.8, "lookup_update": 5.0, "tiered": 20.0}
+DEFAULT_FBGEMM_PYTHON = "/tmp/fbgemm-venv/bin/python"
+_ID_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication is a bijection mod 2**64
+
+
+# ---------------------------------------------------------------------------------- workload
+def set_threads(n: int) -> None:
+    """Use ``n`` threads in torch and numba (0: leave their defaults).
+
+    Run as a script, ``NUMBA_NUM_THREADS`` was already set from ``--threads`` before the imports,
+    which also sizes the helper threads of embcache's index (``embcache/index.py``).
+    """
+    if n <= 0:
+        return
+    torch.set_num_threads(n)
+    try:
+        import numba
+
+        numba.set_num_threads(min(n, int(numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+    except ImportError:
+        pass
+
+
+def source_digest() -> str:
+    """SHA-256 over embcache/**/*.py (paths and contents): identifies the code measured."""
+    root = os.path.join(os.path.dirname(HERE), "embcache")
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+def numba_threads() -> int | None:
+    """Threads numba's parallel loops use now (None without numba)."""
+    try:
+        import numba
+    except ImportError:
+        return None
+    return int(numba.get_num_threads())
+
+
+def sparse_ids(ranks: np.ndarray, seed: int) -> np.ndarray:
+    """Map Zipf ranks to sparse int64 ids, bijectively (odd multiplier, xor), scattered over int64."""
+    salt = np.uint64((seed * 0x2545F4914F6CDD1D + 0x632BE59BD9B4E019) % (1 << 64))
+    with np.errstate(over="ignore"):
+        x = (ranks.astype(np.uint64) * _ID_MULT) ^ salt
+    return x.view(np.int64)
+
+
+def zipf_ids(n_accesses: int, seed: int) -> np.ndarray:
+    """A seeded trace of ``n_accesses`` sparse ids, Zipf(ALPHA) over KEY_SPACE ids."""
+    ranks = zipf_ranks(n_accesses, KEY_SPACE, ALPHA, np.random.default_rng(seed))
+    return sparse_ids(ranks, seed)
+
+
+def split_batches(ids: np.ndarray, batch: int) -> list[np.ndarray]:
+    """Consecutive batches of ``batch`` ids (the tail that does not fill a batch is dropped)."""
+    n = len(ids) // batch
+    return [np.ascontiguousarray(ids[i * batch:(i + 1) * batch]) for i in range(n)]
+
+
+def table_config(dim: int) -> TableConfig:
+    """The benchmark's table: row-wise AdaGrad, dim ``dim``."""
+    return TableConfig(name=TABLE, dim=dim, optimizer="rowwise_adagrad", lr=LR, eps=EPS, seed=1)
+
+
+def row_bytes_of(dim: int, work_dir: str) -> int:
+    """Memory bytes per resident row, asked of a throwaway cache (the capacity unit)."""
+    path = os.path.join(work_dir, f"rowbytes-{dim}")
+    with EmbeddingCache(CacheConfig(hbm_bytes=0, ddr_bytes=0, path=path, device="cpu"), [table_config(dim)]) as c:
+        rb = c.row_bytes(TABLE)
+    shutil.rmtree(path, ignore_errors=True)
+    return rb
+
+
+def stats_of(cache: EmbeddingCache) -> dict[str, Any]:
+    """The table's counters, flattened to what the benchmark checks."""
+    s = cache.stats()[TABLE]
+    return {"lookups": s["lookups"], "hbm_hits": s["hbm"]["hits"], "ddr_hits": s["ddr"]["hits"],
+            "ssd_hits": s["ssd"]["hits"], "created": s["ssd"]["created"], "ssd_reads": s["ssd"]["read_rows"],
+            "hbm_resident": s["hbm"]["resident_rows"], "ddr_resident": s["ddr"]["resident_rows"],
+            "ssd_write_rows": s["ssd"]["write_rows"], "hbm_seconds": s["hbm"]["seconds"],
+            "ddr_seconds": s["ddr"]["seconds"], "ssd_seconds": s["ssd"]["seconds"]}
+
+
+def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """Counter differences (after - before)."""
+    return {k: after[k] - before[k] for k in after}
+
+
+def fmt_rate(x: float | None) -> str:
+    """Rows/s for the table: 12.3M, 456K."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    return f"{x / 1e3:.0f}K"
+
+
+# ---------------------------------------------------------------------------------- FBGEMM
+def fbgemm_python(arg: str | None) -> tuple[str | None, str | None]:
+    """(path of the FBGEMM venv's python, None) or (None, why it is unavailable)."""
+    path = arg or os.environ.get("EMBCACHE_FBGEMM_PYTHON") or DEFAULT_FBGEMM_PYTHON
+    if not os.path.exists(path):
+        return None, (f"no FBGEMM python at {path!r}: create the venv as in the docstring of bench/bench_cache.py "
+                      "or pass --fbgemm-python")
+    probe = subprocess.run([path, "-c", "import fbgemm_gpu, torch; print(fbgemm_gpu.__version__, torch.__version__)"],
+                           capture_output=True, text=True, timeout=300, check=False)
+    if probe.returncode != 0:
+        return None, f"{path} cannot import fbgemm_gpu: {probe.stderr.strip().splitlines()[-1:]}"
+    return path, None
+
+
+class FbgemmServer:
+    """``bench/fbgemm_tbe.py --serve`` in the FBGEMM venv: one timed repeat per request.
+
+    Raises:
+        RuntimeError: the process failed to start or to answer (its stderr is in the message).
+    """
+
+    def __init__(self, py: str, dense: Sequence[np.ndarray], rows: int, dim: int, batch: int, update_rows: int,
+                 lookup_rows: int, work_dir: str) -> None:
+        ids_path = os.path.join(work_dir, "fbgemm-ids.npy")
+        np.save(ids_path, np.concatenate(list(dense)))
+        self.stderr_path = os.path.join(work_dir, "fbgemm-stderr.txt")
+        cmd = [py, os.path.join(HERE, "fbgemm_tbe.py"), "--serve", "--indices", ids_path, "--rows", str(rows),
+               "--dim", str(dim), "--batch", str(batch), "--update-rows", str(update_rows),
+               "--lookup-rows", str(lookup_rows), "--lr", str(LR), "--eps", str(EPS),
+               "--threads", str(torch.get_num_threads())]
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         bufsize=1)
+        self._expect("ready")
+
+    def _readline(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=30)
+            with open(self.stderr_path) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"fbgemm_tbe.py exited with rc {self.proc.returncode}: {tail}")
+        return line.strip()
+
+    def _expect(self, what: str) -> None:
+        line = self._readline()
+        if line != what:
+            raise RuntimeError(f"fbgemm_tbe.py said {line!r}, expected {what!r}")
+
+    def ask(self, command: str) -> str:
+        """Send one request line, return the answer line."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._readline()
+
+    def seconds(self, command: str) -> float:
+        """Seconds of one repeat of ``command`` ("fwd_bwd sum", "fwd none", ...), timed in the subprocess."""
+        return float(self.ask(command))
+
+    def info(self) -> dict[str, Any]:
+        """Versions and settings of the FBGEMM side, and whether its updates changed the weights."""
+        import json
+
+        out: dict[str, Any] = json.loads(self.ask("info"))
+        return out
+
+    def close(self) -> None:
+        """Ask the process to quit; kill it if it does not."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------- all hot
+def run_all_hot(batch: int, dim: int, ids: np.ndarray, args: argparse.Namespace, work_dir: str,
+                fb_py: str | None, fb_reason: str | None) -> dict[str, Any]:
+    """All rows in HBM: lookup vs index_select, lookup+update vs FBGEMM, repeats interleaved."""
+    uniq = np.unique(ids)
+    n = len(uniq)
+    batches = split_batches(ids, batch)
+    keys = [torch.from_numpy(b) for b in batches]
+    dense = [np.searchsorted(uniq, b).astype(np.int64) for b in batches]
+    dense_t = [torch.from_numpy(d) for d in dense]
+    rows = len(keys) * batch
+    n_upd = max(1, min(len(keys), args.update_rows // batch))
+    rb = row_bytes_of(dim, work_dir)
+    path = os.path.join(work_dir, f"hot-{batch}-{dim}")
+    cfg = CacheConfig(hbm_bytes=(n + 64) * rb, ddr_bytes=0, path=path, store="rocksdb", device="cpu")
+    result: dict[str, Any] = {"batch": batch, "dim": dim, "table_rows": n, "trace_accesses": rows, "row_bytes": rb}
+    fb: FbgemmServer | None = None
+    if fb_py is not None:
+        try:
+            fb = FbgemmServer(fb_py, dense, n, dim, batch, n_upd * batch, rows, work_dir)
+        except (RuntimeError, OSError) as exc:
+            fb_reason = str(exc)
+    cache = EmbeddingCache(cfg, [table_config(dim)])
+    try:
+        assert cache.capacity_rows(TABLE)["hbm"] >= n
+        t0 = time.perf_counter()
+        for i in range(0, n, batch):
+            cache.lookup(TABLE, torch.from_numpy(uniq[i:i + batch]))
+        result["warmup_seconds"] = time.perf_counter() - t0
+        s0 = stats_of(cache)
+        assert s0["hbm_resident"] == n, f"warm-up left {s0['hbm_resident']} of {n} rows in HBM"
+
+        out = torch.empty(batch, dim)
+        gen = torch.Generator().manual_seed(args.seed)
+        weights = torch.rand(n, dim, generator=gen)
+        grads = torch.randn(batch, dim, generator=gen) * 0.1
+
+        def cache_lookup() -> None:
+            for k in keys:
+                cache.lookup(TABLE, k, out=out)
+
+        def ceiling() -> None:
+            for ix in dense_t:
+                torch.index_select(weights, 0, ix, out=out)
+
+        def cache_update() -> None:
+            for k in keys[:n_upd]:
+                cache.lookup(TABLE, k, out=out)
+                cache.apply_gradients(TABLE, k, grads)
+
+        def remote(command: str) -> Callable[[], float]:
+            assert fb is not None
+            return lambda: fb.seconds(command)
+
+        modes = ("sum", "none")
+        look_fns: dict[str, Callable[[], object]] = {"cache": cache_lookup, "ceiling": ceiling}
+        upd_fns: dict[str, Callable[[], object]] = {"cache": cache_update}
+        if fb is not None:
+            look_fns |= {f"fbgemm_{m}": remote(f"fwd {m}") for m in modes}
+            upd_fns |= {f"fbgemm_{m}": remote(f"fwd_bwd {m}") for m in modes}
+        remote_names = {f"fbgemm_{m}" for m in modes}
+
+        times = interleaved_timings(look_fns, args.repeats, warmup=1, self_timed=remote_names)
+        s1 = stats_of(cache)
+        d = delta(s1, s0)
+        assert d["hbm_hits"] == d["lookups"] > 0, f"not all hot: {d}"
+        result["lookup"] = rate_summary(rows, times["cache"])
+        result["ceiling"] = rate_summary(rows, times["ceiling"])
+        result["lookup_ratio"] = result["lookup"]["rows_per_s"] / result["ceiling"]["rows_per_s"]
+        result["all_hot_verified"] = True
+        print(f"  lookup {fmt_rate(result['lookup']['rows_per_s'])} rows/s, index_select ceiling "
+              f"{fmt_rate(result['ceiling']['rows_per_s'])} rows/s: {result['lookup_ratio']:.2f}x", flush=True)
+
+        upd = interleaved_timings(upd_fns, args.repeats, warmup=1, self_timed=remote_names)
+        s2 = stats_of(cache)
+        d = delta(s2, s1)
+        assert d["hbm_hits"] == d["lookups"] and d["ssd_reads"] == 0, f"not all hot during updates: {d}"
+        result["lookup_update"] = rate_summary(n_upd * batch, upd["cache"])
+        print(f"  lookup+update {fmt_rate(result['lookup_update']['rows_per_s'])} rows/s", flush=True)
+        if fb is not None:
+            fwd = {m: rate_summary(rows, times[f"fbgemm_{m}"]) for m in modes}
+            fwd_bwd = {m: rate_summary(n_upd * batch, upd[f"fbgemm_{m}"]) for m in modes}
+            best = max(modes, key=lambda m: fwd_bwd[m]["rows_per_s"])
+            info = fb.info()
+            assert all(info["weights_changed"].values()), f"FBGEMM's backward did not update: {info}"
+            result["fbgemm"] = {"available": True, "info": info, "forward": fwd, "forward_backward": fwd_bwd,
+                                "reference_mode": best,
+                                "forward_backward_rows_per_s": fwd_bwd[best]["rows_per_s"],
+                                "forward_rows_per_s": max(f["rows_per_s"] for f in fwd.values())}
+    finally:
+        if fb is not None:
+            fb.close()
+        cache.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+    if fb is None:
+        result["fbgemm"] = {"available": False, "reason": fb_reason}
+    f = result["fbgemm"]
+    if f.get("available"):
+        result["lookup_update_ratio"] = result["lookup_update"]["rows_per_s"] / f["forward_backward_rows_per_s"]
+        result["lookup_vs_fbgemm_forward"] = result["lookup"]["rows_per_s"] / f["forward_rows_per_s"]
+        print("  FBGEMM " + ", ".join(
+            f"{m.upper()}: fwd+bwd {fmt_rate(f['forward_backward'][m]['rows_per_s'])} rows/s, "
+            f"fwd {fmt_rate(f['forward'][m]['rows_per_s'])} rows/s" for m in f["forward"]), flush=True)
+        print(f"  lookup+update / FBGEMM fwd+bwd ({f['reference_mode'].upper()}): {result['lookup_update_ratio']:.2f}x",
+              flush=True)
+    else:
+        result["lookup_update_ratio"] = None
+        print(f"  FBGEMM unavailable: {f.get('reason')}", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------- tiered
+class DictLRU:
+    """The Python peer: an OrderedDict LRU of float32 rows in front of a store.
+
+    Per batch: unique keys (numpy), a Python loop over them (dict lookup, move_to_end), one
+    ``get_many`` for the misses, insertion of the fetched rows and LRU eviction key by key,
+    then a gather of the batch's rows into ``out``.
+    """
+
+    def __init__(self, store: Store, table: str, capacity: int, dim: int) -> None:
+        self.store = store
+        self.table = table
+        self.capacity = capacity
+        self.weight_bytes = 4 * dim
+        self.rows: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.hits = 0
+        self.accesses = 0
+
+    def lookup(self, keys: np.ndarray, out: np.ndarray) -> None:
+        """Rows of ``keys`` (int64 [n]) into ``out`` (float32 [n, dim])."""
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        od = self.rows
+        get, to_end = od.get, od.move_to_end
+        found: list[Any] = [None] * len(uniq)
+        miss: list[int] = []
+        for i, k in enumerate(uniq.tolist()):
+            r = get(k)
+            if r is None:
+                miss.append(i)
+            else:
+                to_end(k)
+                found[i] = r
+        missed = 0
+        if miss:
+            mkeys = uniq[miss]
+            _, records = self.store.get_many(self.table, mkeys)
+            fetched = list(np.ascontiguousarray(records[:, :self.weight_bytes]).view(np.float32))
+            for i, k, r in zip(miss, mkeys.tolist(), fetched, strict=True):
+                found[i] = r
+                od[k] = r
+            while len(od) > self.capacity:
+                od.popitem(last=False)
+            missed = int(np.bincount(inverse, minlength=len(uniq))[miss].sum())
+        np.take(np.stack(found), inverse, axis=0, out=out)
+        self.accesses += len(keys)
+        self.hits += len(keys) - missed
+
+
+def prefill_store(dim: int, uniq: np.ndarray, path: str, seed: int) -> float:
+    """Write rows for every id in ``uniq`` through a cache without memory tiers; returns seconds."""
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    cfg = CacheConfig(hbm_bytes=0, ddr_bytes=0, path=path, store="rocksdb", device="cpu")
+    with EmbeddingCache(cfg, [table_config(dim)]) as cache:
+        step = 1 << 17
+        for i in range(0, len(uniq), step):
+            k = torch.from_numpy(uniq[i:i + step])
+            cache.assign(TABLE, k, (torch.rand(k.numel(), dim, generator=gen) - 0.5) / math.sqrt(dim))
+        cache.flush()
+    return time.perf_counter() - t0
+
+
+def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct: int, args: argparse.Namespace,
+               work_dir: str) -> dict[str, Any]:
+    """HBM 1% / DDR 10% / rest in RocksDB: the cache vs RocksDB direct vs a Python dict LRU.
+
+    Each contender gets its own copy of the prefilled store; all three are open at once, warm up
+    on the same batches, then run the timed segments in turn (segment i of each before segment
+    i + 1 of any), so that they see the same machine load.
+    """
+    batches = split_batches(ids, batch)
+    n_warm = len(batches) // 2
+    warm, timed = batches[:n_warm], batches[n_warm:]
+    n_seg = min(args.segments, len(timed))
+    per = len(timed) // n_seg
+    segments = [timed[i * per:(i + 1) * per] for i in range(n_seg)]
+    seg_rows = per * batch
+    rb = row_bytes_of(dim, work_dir)
+    hbm_rows = math.ceil(0.01 * n_distinct)
+    ddr_rows = math.ceil(0.10 * n_distinct)
+    result: dict[str, Any] = {
+        "batch": batch, "dim": dim, "stored_rows": n_distinct, "hbm_rows": hbm_rows, "ddr_rows": ddr_rows,
+        "warmup_accesses": n_warm * batch, "timed_accesses": n_seg * seg_rows, "segments": n_seg,
+    }
+    paths = {name: os.path.join(work_dir, f"tier-{batch}-{dim}-{name}") for name in ("cache", "rocksdb", "lru")}
+    for p in paths.values():
+        shutil.rmtree(p, ignore_errors=True)
+        shutil.copytree(prefilled, p)
+    cfg = CacheConfig(hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, path=paths["cache"], store="rocksdb",
+                      device="cpu")
+    cache = EmbeddingCache(cfg, [table_config(dim)])
+    rocks = open_store("rocksdb", os.path.join(paths["rocksdb"], STORE_SUBDIR))
+    lru_store = open_store("rocksdb", os.path.join(paths["lru"], STORE_SUBDIR))
+    profile = cProfile.Profile() if args.profile else None
+    try:
+        cap = cache.capacity_rows(TABLE)
+        assert cap == {"hbm": hbm_rows, "ddr": ddr_rows}, cap
+        lru = DictLRU(lru_store, TABLE, hbm_rows + ddr_rows, dim)
+        out = torch.empty(batch, dim)
+        out_np = np.empty((batch, dim), dtype=np.float32)
+        keys = {id(b): torch.from_numpy(b) for b in batches}
+        wb = 4 * dim
+        found_all = [True]
+
+        def cache_lookup(b: np.ndarray) -> None:
+            cache.lookup(TABLE, keys[id(b)], out=out)
+
+        def rocks_lookup(b: np.ndarray) -> None:
+            found, records = rocks.get_many(TABLE, b)
+            out_np[...] = records[:, :wb].view(np.float32)
+            found_all[0] &= bool(found.all())
+
+        def lru_lookup(b: np.ndarray) -> None:
+            lru.lookup(b, out_np)
+
+        contenders: dict[str, Callable[[np.ndarray], None]] = {
+            "cache": cache_lookup, "rocksdb": rocks_lookup, "dict_lru": lru_lookup}
+        warm_s: dict[str, float] = {}
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            for b in warm:
+                fn(b)
+            warm_s[name] = time.perf_counter() - t0
+        seg_stats = [stats_of(cache)]
+        lru_marks = [(lru.hits, lru.accesses)]
+        seg_s: dict[str, list[float]] = {name: [] for name in contenders}
+        for seg in segments:
+            for name, fn in contenders.items():
+                prof = profile if name == "cache" else None
+                if prof is not None:
+                    prof.enable()
+                t0 = time.perf_counter()
+                for b in seg:
+                    fn(b)
+                seg_s[name].append(time.perf_counter() - t0)
+                if prof is not None:
+                    prof.disable()
+            seg_stats.append(stats_of(cache))
+            lru_marks.append((lru.hits, lru.accesses))
+        assert found_all[0], "RocksDB direct missed keys: the store was not prefilled with every id"
+        total = delta(seg_stats[-1], seg_stats[0])
+        assert total["created"] == 0, "rows were created: the store was not prefilled with every id"
+        per_seg = [delta(seg_stats[i + 1], seg_stats[i]) for i in range(n_seg)]
+        for name in contenders:
+            result[name] = rate_summary(seg_rows, seg_s[name]) | {"warmup_seconds": warm_s[name]}
+        result["cache_hit_rates"] = {t: total[f"{t}_hits"] / total["lookups"] for t in ("hbm", "ddr", "ssd")}
+        result["cache_hit_rates_per_segment"] = [
+            {t: d[f"{t}_hits"] / d["lookups"] for t in ("hbm", "ddr", "ssd")} for d in per_seg]
+        result["cache_resident"] = {"hbm": seg_stats[-1]["hbm_resident"], "ddr": seg_stats[-1]["ddr_resident"]}
+        result["cache_store_rows_read_per_lookup"] = total["ssd_reads"] / total["lookups"]
+        result["cache_store_rows_written"] = total["ssd_write_rows"]
+        # time the cache itself attributes to each tier (its stats' "seconds"), timed part only
+        result["cache_tier_seconds"] = {t: total[f"{t}_seconds"] for t in ("hbm", "ddr", "ssd")}
+        result["cache_timed_seconds"] = sum(seg_s["cache"])
+        result["dict_lru_hit_rate"] = (lru_marks[-1][0] - lru_marks[0][0]) / (lru_marks[-1][1] - lru_marks[0][1])
+        if profile is not None:
+            result["cache_profile"] = profile_summary(profile)
+    finally:
+        cache.close()
+        rocks.close()
+        lru_store.close()
+        for p in paths.values():
+            shutil.rmtree(p, ignore_errors=True)
+    # RocksDB direct reads each distinct key of a batch once; the cache reads only its misses. If
+    # memory work cost nothing, the cache could beat RocksDB direct by at most this factor.
+    unique = sum(len(np.unique(b)) for seg in segments for b in seg) / (n_seg * seg_rows)
+    result["rocksdb_rows_read_per_lookup"] = unique
+    result["speedup_bound_if_memory_were_free"] = unique / max(result["cache_store_rows_read_per_lookup"], 1e-12)
+    result["vs_rocksdb"] = result["cache"]["rows_per_s"] / result["rocksdb"]["rows_per_s"]
+    result["vs_dict_lru"] = result["cache"]["rows_per_s"] / result["dict_lru"]["rows_per_s"]
+    hr = result["cache_hit_rates"]
+    print(f"  embcache {fmt_rate(result['cache']['rows_per_s'])} rows/s (hits: HBM {hr['hbm']:.1%}, "
+          f"DDR {hr['ddr']:.1%}, SSD {hr['ssd']:.1%}); RocksDB direct {fmt_rate(result['rocksdb']['rows_per_s'])} "
+          f"rows/s; dict LRU {fmt_rate(result['dict_lru']['rows_per_s'])} rows/s (hit "
+          f"{result['dict_lru_hit_rate']:.1%})", flush=True)
+    print(f"  embcache / RocksDB direct {result['vs_rocksdb']:.2f}x, / dict LRU {result['vs_dict_lru']:.2f}x; "
+          f"store rows read per lookup: embcache {result['cache_store_rows_read_per_lookup']:.3f}, RocksDB direct "
+          f"{unique:.3f} (bound {result['speedup_bound_if_memory_were_free']:.1f}x)", flush=True)
+    return result
+
+
+def profile_summary(profile: cProfile.Profile, top: int = 15) -> dict[str, Any]:
+    """Top functions of a cProfile run by own time and by cumulative time."""
+    st = pstats.Stats(profile)
+    root = os.path.dirname(HERE)
+    entries = []
+    for (file, line, name), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        where = os.path.relpath(file, root) if file.startswith(root) else file
+        entries.append({"function": f"{where}:{line}({name})", "calls": nc, "own_s": tt, "cumulative_s": ct})
+    return {"total_s": st.total_tt,  # type: ignore[attr-defined]
+            "top_by_own_time": sorted(entries, key=lambda e: e["own_s"], reverse=True)[:top],
+            "top_by_cumulative_time": sorted(entries, key=lambda e: e["cumulative_s"], reverse=True)[:top]}
+
+
+# ---------------------------------------------------------------------------------- report
+def summary_rows(hot: list[dict[str, Any]], tiered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (case, reference) with the ratio and whether the target is met."""
+    rows: list[dict[str, Any]] = []
+
+    def add(case: str, value: float, ref_name: str, ref: float | None, target: float | None) -> None:
+        ratio = value / ref if ref else None
+        met = None if ratio is None or target is None else ratio >= target
+        rows.append({"case": case, "rows_per_s": value, "reference": ref_name, "reference_rows_per_s": ref,
+                     "ratio": ratio, "target": target, "met": met})
+
+    for r in hot:
+        tag = f"B={r['batch']:,} d={r['dim']}"
+        add(f"all-hot lookup {tag}", r["lookup"]["rows_per_s"], "index_select (ceiling)",
+            r["ceiling"]["rows_per_s"], TARGETS["lookup"])
+    for r in hot:
+        tag = f"B={r['batch']:,} d={r['dim']}"
+        fb = r["fbgemm"]
+        name = f"FBGEMM CPU TBE fwd+bwd ({fb['reference_mode'].upper()})" if fb.get("available") else "FBGEMM CPU TBE"
+        add(f"all-hot lookup+update {tag}", r["lookup_update"]["rows_per_s"], name,
+            fb.get("forward_backward_rows_per_s"), TARGETS["lookup_update"])
+    for r in tiered:
+        tag = f"B={r['batch']:,} d={r['dim']}"
+        add(f"tiered lookup {tag}", r["cache"]["rows_per_s"], "RocksDB multi-get direct",
+            r["rocksdb"]["rows_per_s"], TARGETS["tiered"])
+        add(f"tiered lookup {tag}", r["cache"]["rows_per_s"], "Python dict LRU + RocksDB",
+            r["dict_lru"]["rows_per_s"], None)
+    return rows
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    """The summary as a Markdown table."""
+    body = []
+    for r in rows:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        target = "—" if r["target"] is None else f">= {r['target']:g}x"
+        met = "n/a" if r["met"] is None else ("yes" if r["met"] else "**no**")
+        body.append([r["case"], fmt_rate(r["rows_per_s"]), r["reference"], fmt_rate(r["reference_rows_per_s"]),
+                     ratio, target, met])
+    return markdown_table(["case", "embcache rows/s", "reference", "reference rows/s", "ratio", "target", "met?"],
+                          body)
+
+
+def render_hits(tiered: list[dict[str, Any]]) -> str:
+    """Per-tier hit rates of the tiered runs as a Markdown table."""
+    body = []
+    for r in tiered:
+        h = r["cache_hit_rates"]
+        body.append([f"B={r['batch']:,} d={r['dim']}", f"{r['stored_rows']:,}", f"{r['hbm_rows']:,}",
+                     f"{r['ddr_rows']:,}", f"{h['hbm']:.1%}", f"{h['ddr']:.1%}", f"{h['ssd']:.1%}",
+                     f"{r['dict_lru_hit_rate']:.1%}", f"{r['cache_store_rows_read_per_lookup']:.3f}",
+                     f"{r['rocksdb_rows_read_per_lookup']:.3f}", f"{r['speedup_bound_if_memory_were_free']:.1f}x"])
+    return markdown_table(["tiered case", "rows stored", "HBM rows", "DDR rows", "HBM hits", "DDR hits", "SSD reads",
+                           "dict LRU hits", "store reads/key: embcache", "RocksDB direct", "bound"], body)
+
+
+def plot(hot: list[dict[str, Any]], tiered: list[dict[str, Any]], path: str, title: str) -> None:
+    """Bar chart (log rows/s) of each case against its references."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: list[tuple[str, list[str], list[dict[str, float | None]]]] = []
+    if hot:
+        panels.append(("all-hot lookup", [f"B={r['batch']}\nd={r['dim']}" for r in hot],
+                       [{"embcache": r["lookup"]["rows_per_s"], "index_select ceiling": r["ceiling"]["rows_per_s"],
+                         "FBGEMM fwd": r["fbgemm"].get("forward_rows_per_s")} for r in hot]))
+        panels.append(("all-hot lookup + row-wise AdaGrad update", [f"B={r['batch']}\nd={r['dim']}" for r in hot],
+                       [{"embcache": r["lookup_update"]["rows_per_s"],
+                         "FBGEMM fwd+bwd": r["fbgemm"].get("forward_backward_rows_per_s")} for r in hot]))
+    if tiered:
+        panels.append(("tiered lookup (HBM 1% / DDR 10% / RocksDB)",
+                       [f"B={r['batch']}\nd={r['dim']}" for r in tiered],
+                       [{"embcache": r["cache"]["rows_per_s"], "RocksDB direct": r["rocksdb"]["rows_per_s"],
+                         "dict LRU": r["dict_lru"]["rows_per_s"]} for r in tiered]))
+    colors = {"embcache": "#1f77b4", "index_select ceiling": "#7f7f7f", "FBGEMM fwd": "#ff7f0e",
+              "FBGEMM fwd+bwd": "#ff7f0e", "RocksDB direct": "#2ca02c", "dict LRU": "#d62728"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), squeeze=False)
+    for ax, (name, labels, groups) in zip(axes[0], panels, strict=True):
+        series = list(groups[0])
+        width = 0.8 / len(series)
+        for j, s in enumerate(series):
+            vals = [g[s] or 0.0 for g in groups]
+            xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
+            bars = ax.bar(xs, vals, width, label=s, color=colors.get(s))
+            for b, v in zip(bars, vals, strict=True):
+                if v:
+                    ax.annotate(fmt_rate(v), (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
+                                fontsize=7, rotation=90, xytext=(0, 2), textcoords="offset points")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel("rows/s")
+        ax.set_title(name, fontsize=10)
+        ax.legend(fontsize=7, loc="upper left", ncol=len(series))
+        ax.grid(axis="y", which="both", alpha=0.3)
+        positive = [v for g in groups for v in g.values() if v]
+        ax.set_ylim(min(positive) / 3, max(positive) * 6)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="batch 8,192, dim 64, short traces, 3 repeats (< 3 min)")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="batch sizes (default 8192,65536; quick: 8192)")
+    ap.add_argument("--dims", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="dims (default 64,128; quick: 64)")
+    ap.add_argument("--cases", default="hot,tiered", help="which cases: hot, tiered (comma-separated)")
+    ap.add_argument("--hot-accesses", type=int, default=None, help="all-hot trace length (default 2^22; quick 2^19)")
+    ap.add_argument("--tier-accesses", type=int, default=None,
+                    help="tiered trace length, half warm-up (default 6M; quick 1M)")
+    ap.add_argument("--update-rows", type=int, default=None, help="rows per repeat of lookup+update (default 2^18)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 7; quick 3)")
+    ap.add_argument("--segments", type=int, default=None, help="timed segments of the tiered run (default 8; quick 4)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch and numba threads for every contender (default 1; 0 keeps the libraries' defaults)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fbgemm-python", default=None, help="python of a venv with fbgemm-gpu-cpu")
+    ap.add_argument("--work-dir", default=None, help="where the stores go (default: a temporary directory)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the cache's tiered lookup (into the JSON)")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/cache.json, quick: cache-quick.json)")
+    args = ap.parse_args()
+    q = args.quick
+    args.batches = args.batches or ([8192] if q else [8192, 65536])
+    args.dims = args.dims or ([64] if q else [64, 128])
+    args.hot_accesses = args.hot_accesses or (1 << 19 if q else 1 << 22)
+    args.tier_accesses = args.tier_accesses or (1_000_000 if q else 6_000_000)
+    args.update_rows = args.update_rows or (1 << 16 if q else 1 << 18)
+    args.repeats = args.repeats or (3 if q else 7)
+    args.segments = args.segments or (4 if q else 8)
+    cases = set(args.cases.split(","))
+    out_json = args.out or os.path.join(HERE, "results", "cache-quick.json" if q else "cache.json")
+    stem = os.path.splitext(out_json)[0]
+
+    set_threads(args.threads)
+    started = time.perf_counter()
+    info = machine_info()
+    info["numba_threads"] = numba_threads()
+    info["embcache_source_sha256"] = source_digest()  # the working tree may differ from git_commit
+    print(f"embcache benchmark ({'quick' if q else 'full'}): batches {args.batches}, dims {args.dims}, "
+          f"torch threads {torch.get_num_threads()}, load {info['loadavg_at_start'][0]:.2f}", flush=True)
+    fb_py, fb_reason = fbgemm_python(args.fbgemm_python) if "hot" in cases else (None, "not run")
+    print(f"FBGEMM: {fb_py or fb_reason}", flush=True)
+    own_tmp = args.work_dir is None
+    work_dir = tempfile.mkdtemp(prefix="embcache-bench-") if own_tmp else args.work_dir
+    os.makedirs(work_dir, exist_ok=True)
+    hot: list[dict[str, Any]] = []
+    tiered: list[dict[str, Any]] = []
+    try:
+        if "hot" in cases:
+            ids = zipf_ids(args.hot_accesses, args.seed)
+            for dim in args.dims:
+                for batch in args.batches:
+                    print(f"[all hot] batch {batch:,}, dim {dim} ({args.hot_accesses:,} accesses, "
+                          f"{len(np.unique(ids)):,} distinct ids)", flush=True)
+                    hot.append(run_all_hot(batch, dim, ids, args, work_dir, fb_py, fb_reason))
+        if "tiered" in cases:
+            ids = zipf_ids(args.tier_accesses, args.seed + 1)
+            uniq = np.unique(ids)
+            for dim in args.dims:
+                prefilled = os.path.join(work_dir, f"prefill-{dim}")
+                shutil.rmtree(prefilled, ignore_errors=True)
+                secs = prefill_store(dim, uniq, prefilled, args.seed)
+                print(f"[tiered] store prefilled with {len(uniq):,} rows of dim {dim} in {secs:.1f} s", flush=True)
+                for batch in args.batches:
+                    print(f"[tiered] batch {batch:,}, dim {dim} ({args.tier_accesses:,} accesses, half warm-up)",
+                          flush=True)
+                    r = run_tiered(batch, dim, ids, prefilled, len(uniq), args, work_dir)
+                    r["prefill_seconds"] = secs
+                    tiered.append(r)
+                shutil.rmtree(prefilled, ignore_errors=True)
+    finally:
+        if own_tmp:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+    rows = summary_rows(hot, tiered)
+    table = render_table(rows)
+    hits = render_hits(tiered) if tiered else ""
+    info["loadavg_at_end"] = list(os.getloadavg())
+    elapsed = time.perf_counter() - started
+    command = " ".join([".venv/bin/python", "bench/bench_cache.py", *sys.argv[1:]])
+    result = {
+        "benchmark": "embcache cache lookup / lookup+update vs ceiling and peers",
+        "command": command,
+        "mode": "quick" if q else "full",
+        "machine": info,
+        "workload": {"key_space": KEY_SPACE, "zipf_alpha": ALPHA, "id_map": "rank * 0x9E3779B97F4A7C15 ^ salt (int64)",
+                     "seed": args.seed, "hot_accesses": args.hot_accesses, "tier_accesses": args.tier_accesses,
+                     "optimizer": "rowwise_adagrad", "lr": LR, "eps": EPS, "device": "cpu",
+                     "repeats": args.repeats, "segments": args.segments, "update_rows": args.update_rows},
+        "targets": TARGETS,
+        "summary": rows,
+        "all_hot": hot,
+        "tiered": tiered,
+        "elapsed_seconds": elapsed,
+        "notes": [
+            "rows/s are medians over repeats after a discarded warm-up (tiered: over timed segments after a "
+            "warm-up half of the trace)",
+            "all-hot table = the distinct ids of the trace (HBM holds all of them); key space 10M sparse int64 ids",
+            "tiered: HBM 1% / DDR 10% of the ids in the store (= the distinct ids of the trace); the store's files "
+            "are in the OS page cache (freshly written), so RocksDB reads are warm",
+            "FBGEMM reference = the faster of pooling SUM (bag size 1) and NONE, forward + backward with fused "
+            "EXACT_ROWWISE_ADAGRAD; fbgemm-gpu-cpu 1.9.0 fails to load with torch 2.13 (undefined symbol "
+            "torch::autograd::_wrap_outputs; it is built for torch 2.14), 1.8.0 is the matching release",
+            "the machine may be shared: see loadavg_at_start/at_end",
+        ],
+    }
+    write_json(out_json, result)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# embcache benchmark ({result['mode']})\n\nCommand: `{result['command']}`  \n"
+                f"Machine: {info['cpu_model']}, {info['cpu_count']} cores, torch {info['packages']['torch']}, "
+                f"commit {info['git_commit']}\n\n{table}\n\n{hits}\n")
+    plot(hot, tiered, stem + ".png",
+         f"embcache ({result['mode']}): {info['cpu_count']} cores, {torch.get_num_threads()} thread(s) per contender, "
+         f"Zipf({ALPHA}) over 10M ids, row-wise AdaGrad, median of repeats")
+    print()
+    print(table)
+    if hits:
+        print()
+        print(hits)
+    print(f"\nwrote {out_json}, {stem}.md, {stem}.png ({elapsed:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
