@@ -1,0 +1,67 @@
+"""Aged frequencies, the count-min sketch and the policy table."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from embcache.policy import Clock, FrequencySketch, make_policy
+
+
+def test_sketch_estimates_are_upper_bounds_and_exact_without_collisions() -> None:
+    sketch = FrequencySketch(1 << 16)
+    rng = np.random.default_rng(0)
+    keys = torch.from_numpy(rng.integers(-(2**62), 2**62, size=5000))
+    counts = torch.from_numpy(rng.integers(1, 50, size=5000)).to(torch.float64)
+    sketch.add(keys, counts)
+    est = sketch.estimate(keys)
+    assert bool((est >= counts).all())
+    assert float((est == counts).double().mean()) > 0.99  # 5k keys in 64k columns x 4 rows
+
+
+def test_add_and_estimate_equals_add_then_estimate() -> None:
+    a, b = FrequencySketch(256), FrequencySketch(256)
+    keys = torch.arange(100) * 7919
+    amounts = torch.rand(100, dtype=torch.float64)
+    a.add(keys, amounts)
+    torch.testing.assert_close(b.add_and_estimate(keys, amounts), a.estimate(keys), rtol=0, atol=0)
+
+
+def test_raise_to_keeps_the_larger_value_and_bytes_round_trip() -> None:
+    sketch = FrequencySketch(1024)
+    keys = torch.tensor([1, 2, 3])
+    sketch.add(keys, torch.tensor([5.0, 1.0, 0.0], dtype=torch.float64))
+    sketch.raise_to(keys, torch.tensor([2.0, 4.0, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(sketch.estimate(keys), torch.tensor([5.0, 4.0, 0.5], dtype=torch.float64))
+    other = FrequencySketch(1024)
+    other.load_bytes(sketch.to_bytes())
+    torch.testing.assert_close(other.estimate(keys), sketch.estimate(keys))
+
+
+def test_clock_ages_and_renormalizes_without_changing_order() -> None:
+    clock = Clock(halflife=10.0)
+    assert clock.increment() == 1.0
+    clock.advance(10)
+    assert clock.increment() == pytest.approx(2.0)  # an access now weighs twice one 10 ticks ago
+    factor = None
+    while factor is None:
+        factor = clock.advance(50)
+    assert factor < 1e-11 and clock.increment() == 1.0  # rescaled: frequencies times factor
+    assert Clock(math.inf).advance(10**9) is None
+
+
+def test_policy_table() -> None:
+    freq = torch.tensor([3.0, 1.0, 2.0], dtype=torch.float64)
+    last = torch.tensor([5, 9, 1])
+    assert make_policy("lrfu", True).score(freq, last, 10).tolist() == [3.0, 1.0, 2.0]
+    assert make_policy("lfu", True).aging is False
+    lru = make_policy("lru", True)
+    assert lru.admission is False and lru.score(freq, last, 10).tolist() == [5.0, 9.0, 1.0]
+    custom = make_policy(lambda f, la, now: -f, True)
+    assert custom.score(freq, last, 10).tolist() == [-3.0, -1.0, -2.0]
+    bad = make_policy(lambda f, la, now: f[:1], True)
+    with pytest.raises(TypeError, match="shape"):
+        bad.score(freq, last, 10)
