@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from .config import CacheConfig, TableConfig
 from .errors import (
@@ -882,8 +883,10 @@ def _copy_store(manifest: dict[str, Any], source: str, config: CacheConfig, targ
             rb = tcfg.dim * torch.empty(0, dtype=tcfg.torch_dtype).element_size() + 4 * state_width(
                 tcfg.optimizer, tcfg.dim)
             dst.open_table(table, rb)
-            for keys, records in src.scan(table):
-                dst.put_many(table, keys, records)
+            with tqdm(desc=f"restoring {table}", unit="rows", unit_scale=True, leave=False) as bar:
+                for keys, records in src.scan(table):
+                    dst.put_many(table, keys, records)
+                    bar.update(len(keys))
         for name in _meta_names(manifest):
             value = src.get_meta(name)
             if value is not None:
