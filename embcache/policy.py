@@ -162,15 +162,16 @@ class FrequencySketch:
 
     def add(self, keys: torch.Tensor, amounts: torch.Tensor) -> None:
         """Add ``amounts`` (float64 [n]) to the counters of ``keys`` (int64 [n], may repeat)."""
-        cells = self._cells(keys)
-        self.counts.index_add_(0, cells.reshape(-1), amounts.to(self.device, torch.float64).repeat(self.depth))
+        self._add_at(self._cells(keys), amounts)
 
     def add_and_estimate(self, keys: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
         """:meth:`add`, then :meth:`estimate` of the same (unique) keys, hashing them once."""
         cells = self._cells(keys)
-        flat = cells.reshape(-1)
-        self.counts.index_add_(0, flat, amounts.to(self.device, torch.float64).repeat(self.depth))
+        self._add_at(cells, amounts)
         return self.counts[cells].amin(dim=0)
+
+    def _add_at(self, cells: torch.Tensor, amounts: torch.Tensor) -> None:
+        self.counts.index_add_(0, cells.reshape(-1), amounts.to(self.device, torch.float64).repeat(self.depth))
 
     def estimate(self, keys: torch.Tensor) -> torch.Tensor:
         """Upper-bound estimates (float64 [n]) of the aged frequency of ``keys``."""

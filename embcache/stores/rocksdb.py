@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import islice
 from typing import Any, cast
 
@@ -106,9 +108,16 @@ class RocksDBStore(Store):
         self._open()
         self._needs_reopen = False
 
-    def _note_failure(self, exc: BaseException) -> None:
-        if self._error_class(exc) is not StoreError:  # out of space: reopen before the next operation
-            self._needs_reopen = True
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Reopen first if needed; after an out-of-space failure, reopen before the next write."""
+        self._recover(write=True)
+        try:
+            yield
+        except Exception as exc:
+            if self._error_class(exc) is not StoreError:
+                self._needs_reopen = True
+            raise
 
     def _open(self) -> None:
         if os.path.exists(os.path.join(self.path, "data.mdb")):
@@ -169,23 +178,22 @@ class RocksDBStore(Store):
         return found, b"".join(filter(None, values))
 
     def _write(self, table: str, keys: list[bytes], values: list[bytes] | None) -> None:
-        self._recover(write=True)
-        assert self._db is not None
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        batch.set_default_column_family(self._handles[table])
-        # deque(map(...), maxlen=0) drives the C-level iterator without a Python-level loop body.
-        if values is None:
-            deque(map(batch.delete, keys), maxlen=0)
-        else:
-            deque(map(batch.put, keys, values), maxlen=0)
-        try:
-            self._db.write(batch, self._write_opts)
-        except Exception as exc:
-            # The batch refers to a column-family handle, which keeps the database (and its
-            # LOCK) alive as long as the traceback holds this frame: drop it so a reopen works.
-            del batch
-            self._note_failure(exc)
-            raise
+        with self._writing():
+            assert self._db is not None
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            batch.set_default_column_family(self._handles[table])
+            # deque(map(...), maxlen=0) drives the C-level iterator without a Python-level loop body.
+            if values is None:
+                deque(map(batch.delete, keys), maxlen=0)
+            else:
+                deque(map(batch.put, keys, values), maxlen=0)
+            try:
+                self._db.write(batch, self._write_opts)
+            except Exception:
+                # The batch refers to a column-family handle, which keeps the database (and its
+                # LOCK) alive as long as the traceback holds this frame: drop it so a reopen works.
+                del batch
+                raise
 
     def _scan_batch(self, table: str, start: bytes, limit: int) -> tuple[bytes, bytes, int]:
         # A fresh iterator per batch: an iterator alive across yields would keep the database
@@ -206,22 +214,14 @@ class RocksDBStore(Store):
         return None if value is None else bytes(value)
 
     def _put_meta(self, key: bytes, value: bytes) -> None:
-        self._recover(write=True)
-        assert self._meta is not None
-        try:
+        with self._writing():
+            assert self._meta is not None
             self._meta.put(key, value, self._write_opts)
-        except Exception as exc:
-            self._note_failure(exc)
-            raise
 
     def _flush(self) -> None:
-        self._recover(write=True)
-        assert self._db is not None
-        try:
+        with self._writing():
+            assert self._db is not None
             self._db.flush_wal(True)
-        except Exception as exc:
-            self._note_failure(exc)
-            raise
 
     def _checkpoint(self, directory: str) -> None:
         assert self._db is not None
