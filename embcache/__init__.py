@@ -16,12 +16,15 @@ from .errors import (
     InvalidKeysError,
     InvalidRowsError,
     NonFiniteGradientError,
+    PassStateError,
     StoreError,
     StoreFullError,
     StoreLockedError,
     TableConflictError,
     UnknownTableError,
 )
+from .keyset import Keyset
+from .prefetch import LookAhead, PrefetchFuture
 from .types import Initializer, Optimizer, PolicyName, StoreKind, Tier
 
 __version__ = "0.1.0"
@@ -38,9 +41,13 @@ __all__ = [
     "InvalidGradientError",
     "InvalidKeysError",
     "InvalidRowsError",
+    "Keyset",
+    "LookAhead",
     "NonFiniteGradientError",
     "Optimizer",
+    "PassStateError",
     "PolicyName",
+    "PrefetchFuture",
     "StoreError",
     "StoreFullError",
     "StoreKind",

@@ -31,7 +31,8 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,16 +51,19 @@ from .errors import (
     InvalidKeysError,
     InvalidRowsError,
     NonFiniteGradientError,
+    PassStateError,
     StoreError,
     StoreLockedError,
     TableConflictError,
     UnknownTableError,
 )
 from .init import init_rows
+from .keyset import Keyset, as_keysets
 from .optim import OptimizerParams, apply_update, initial_state, state_width
 from .policy import Clock, FrequencySketch, Policy, make_policy
+from .prefetch import PrefetchFuture
 from .stores import Store, open_store
-from .tier import MemoryTier, RowBatch
+from .tier import MemoryTier, RowBatch, resident_row_bytes
 from .types import Tier
 
 __all__ = ["EmbeddingCache"]
@@ -70,6 +74,9 @@ _LOCK_FILE = "embcache.lock"
 _STORE_DIR = "store"
 _MIN_SKETCH_WIDTH = 4096
 _MAX_SKETCH_WIDTH = 1 << 22
+_STAGE_CHUNK = 65536  # rows staged (or written back) per step of a pass or prefetch
+# Scores of rows a pass wants (begin_pass): above any policy score, ordered by the pass's counts.
+_WANTED_SCORE, _WANTED_STEP = 1e30, 1e15
 
 
 # Caches still open at interpreter exit are closed (dirty rows written) by an atexit hook, which
@@ -118,6 +125,9 @@ class _TableStats:
     updates: int = 0
     assigns: int = 0
     placement_errors: int = 0
+    outside_keyset: int = 0
+    prefetch_rows: int = 0
+    prefetch_seconds: float = 0.0
     hbm: _TierStats = field(default_factory=_TierStats)
     ddr: _TierStats = field(default_factory=_TierStats)
     ssd: _SsdStats = field(default_factory=_SsdStats)
@@ -149,6 +159,11 @@ class _Table:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(cfg.seed & 0x7FFFFFFF)
         self.stats = _TableStats()
+        # keys written to the store while a prefetch reads it outside the lock (see _prefetch_table)
+        self.write_log: list[torch.Tensor] = []
+        self.log_watchers = 0
+        self.pass_keyset: Keyset | None = None
+        self.pass_pinned = torch.empty(0, dtype=torch.int64)
 
     def scores_of(self, tier: MemoryTier) -> Any:
         """A callback giving the policy's scores of resident rows of ``tier`` at ``slots``."""
@@ -201,6 +216,10 @@ class EmbeddingCache:
             self._global_lock = threading.RLock()
             self._device = config.torch_device
             self._policy = make_policy(config.policy, config.admission)
+            self._worker: ThreadPoolExecutor | None = None
+            self._prefetches: list[PrefetchFuture] = []  # pass prefetches the next begin_pass adopts
+            self._live: set[PrefetchFuture] = set()
+            self._pass_active = False
             self._open_tables(list(tables))
         except BaseException:
             self._release()
@@ -255,7 +274,7 @@ class EmbeddingCache:
         ddr_bytes = self._config.resolved_ddr_bytes()
         for cfg in configs:
             width = state_width(cfg.optimizer, cfg.dim)
-            row_bytes = cfg.dim * torch.empty(0, dtype=cfg.torch_dtype).element_size() + 4 * width + 27
+            row_bytes = resident_row_bytes(cfg.dim, cfg.torch_dtype, width)
             frac = cfg.memory_share / shares
             t = _Table(cfg, int(hbm_bytes * frac) // row_bytes, int(ddr_bytes * frac) // row_bytes,
                        self._device, self._config, self._policy)
@@ -273,6 +292,7 @@ class EmbeddingCache:
         """Write every dirty row and the frequency state back, then release the store. Idempotent."""
         if self._closed:
             return
+        self._stop_worker()
         with self._all_tables():
             if self._closed:
                 return
@@ -282,6 +302,15 @@ class EmbeddingCache:
                 self._closed = True
                 _OPEN_CACHES.discard(self)
                 self._release()
+
+    def _stop_worker(self) -> None:
+        """Cancel staging jobs and wait for the worker (queued write-backs still run)."""
+        with self._global_lock:
+            live, worker, self._worker = list(self._live), self._worker, None
+        for fut in live:
+            fut.cancel()
+        if worker is not None:
+            worker.shutdown(wait=True)
 
     def __enter__(self) -> EmbeddingCache:
         return self
@@ -432,11 +461,26 @@ class EmbeddingCache:
             self._advance_clock(t, n)
         return out
 
+    def lookup_many(self, keys: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Rows of several tables in one call: ``{table: keys [n]} -> {table: float32 [n, dim]}``.
+
+        One round trip for a remote cache (:class:`embcache.Client`); here, one lookup per table.
+        Every table is validated before any is read.
+
+        Raises:
+            The errors of :meth:`lookup`.
+        """
+        for name in keys:
+            self._table(name)
+        return {name: self.lookup(name, k) for name, k in keys.items()}
+
     def _lookup_below_hbm(self, t: _Table, ukeys: torch.Tensor, counts: torch.Tensor, inc: float,
                           now: int) -> torch.Tensor:
         """Values (float32 [u, dim], cache device) of unique keys missing from HBM; places them."""
         t1 = time.perf_counter()
         cpu_keys, cpu_counts = ukeys.cpu(), counts.cpu()
+        if t.pass_keyset is not None:
+            t.stats.outside_keyset += int(cpu_counts[~t.pass_keyset.contains(cpu_keys)].sum())
         dslots = t.ddr.find(cpu_keys)
         in_ddr = dslots >= 0
         values = torch.empty(ukeys.numel(), t.cfg.dim, dtype=torch.float32)
@@ -463,23 +507,18 @@ class EmbeddingCache:
 
     def _stage(self, t: _Table, keys: torch.Tensor, counts: torch.Tensor | None, inc: float,
                now: int) -> RowBatch:
-        """Rows of (unique, CPU) ``keys`` not in memory: read from the store or created; counted in the sketch."""
+        """Rows of (unique, CPU) ``keys`` not in memory: read from the store or created.
+
+        With ``counts``, the accesses are counted (sketch and ssd hits); without, nothing is counted.
+        """
         n = keys.numel()
-        weights = torch.empty(n, t.cfg.dim, dtype=t.cfg.torch_dtype)
-        state = torch.empty(n, t.state_width, dtype=torch.float32)
         if n:
             found, records = self._read_store(t, keys)
-            fmask = torch.from_numpy(found)
-            if fmask.any():
-                w, s = t.decode(records[found])
-                weights[fmask] = w
-                state[fmask] = s
-            new = ~fmask
-            if new.any():
-                weights[new] = init_rows(t.cfg.initializer, float(t.cfg.init_scale or 0.0), t.cfg.seed,
-                                         keys[new], t.cfg.dim, t.cfg.torch_dtype)
-                state[new] = initial_state(t.cfg.optimizer, t.cfg.dim, int(new.sum()), torch.device("cpu"),
-                                           t.cfg.initial_accumulator_value)
+            weights, state, fmask = self._decode_or_create(t, keys, found, records)
+        else:
+            weights = torch.empty(0, t.cfg.dim, dtype=t.cfg.torch_dtype)
+            state = torch.empty(0, t.state_width, dtype=torch.float32)
+            fmask = torch.zeros(0, dtype=torch.bool)
         if n and counts is not None:
             freq = t.sketch.add_and_estimate(keys, counts.to(torch.float64) * inc)
             n_found = int(counts[fmask].sum())
@@ -488,7 +527,30 @@ class EmbeddingCache:
         else:
             freq = t.sketch.estimate(keys) if n else torch.empty(0, dtype=torch.float64)
         return RowBatch(keys, weights, state, freq, torch.full((n,), now, dtype=torch.int64),
-                        torch.zeros(n, dtype=torch.bool))
+                        torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int32))
+
+    @staticmethod
+    def _decode_or_create(t: _Table, keys: torch.Tensor, found: np.ndarray,
+                          records: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Weights, state and found-mask of ``keys``: decoded where the store had them, else initialized.
+
+        Pure (no table state touched), so the prefetcher runs it outside the table's lock.
+        """
+        n = keys.numel()
+        weights = torch.empty(n, t.cfg.dim, dtype=t.cfg.torch_dtype)
+        state = torch.empty(n, t.state_width, dtype=torch.float32)
+        fmask = torch.from_numpy(np.asarray(found, dtype=bool))
+        if fmask.any():
+            w, st = t.decode(records[np.asarray(found, dtype=bool)])
+            weights[fmask] = w
+            state[fmask] = st
+        new = ~fmask
+        if new.any():
+            weights[new] = init_rows(t.cfg.initializer, float(t.cfg.init_scale or 0.0), t.cfg.seed,
+                                     keys[new], t.cfg.dim, t.cfg.torch_dtype)
+            state[new] = initial_state(t.cfg.optimizer, t.cfg.dim, int(new.sum()), torch.device("cpu"),
+                                       t.cfg.initial_accumulator_value)
+        return weights, state, fmask
 
     def _read_store(self, t: _Table, keys: torch.Tensor) -> Any:
         assert self._store is not None
@@ -508,6 +570,8 @@ class EmbeddingCache:
         t0 = time.perf_counter()
         keys, records = t.encode(rows)
         self._store.put_many(t.cfg.name, keys, records)
+        if t.log_watchers:  # a prefetch is reading the store without the lock: tell it what changed
+            t.write_log.append(torch.from_numpy(keys.copy()))
         st = t.stats.ssd
         st.writes += 1
         st.write_rows += len(rows)
@@ -640,6 +704,26 @@ class EmbeddingCache:
             self._modify(t, ukeys, update)
             t.stats.updates += keys.numel()
 
+    def apply_gradients_many(self, updates: Mapping[str, tuple[Any, torch.Tensor]]) -> None:
+        """Apply gradients to several tables: ``{table: (keys [n], grads [n, dim])}``.
+
+        Every table's input is validated before any is changed; each table's update is atomic.
+
+        Raises:
+            The errors of :meth:`apply_gradients`.
+        """
+        checked = {}
+        for name, (k, g) in updates.items():
+            t = self._table(name)
+            k = self._keys(k)
+            g = self._rows_arg("gradients", g, k.numel(), t.cfg.dim, InvalidGradientError)
+            if self._config.reject_nonfinite and not _all_finite(g):
+                raise NonFiniteGradientError(
+                    f"gradients of table {name!r} contain NaN or inf; nothing was applied")
+            checked[name] = (k, g)
+        for name, (k, g) in checked.items():
+            self.apply_gradients(name, k, g)
+
     def assign(self, table: str, keys: Any, rows: torch.Tensor) -> None:
         """Overwrite the rows of ``keys`` and reset their optimizer state; the last duplicate wins.
 
@@ -710,7 +794,7 @@ class EmbeddingCache:
             staged = RowBatch(skeys, torch.empty(n, t.cfg.dim, dtype=t.cfg.torch_dtype),
                               torch.empty(n, t.state_width), t.sketch.estimate(skeys) if n else
                               torch.empty(0, dtype=torch.float64), torch.full((n,), now, dtype=torch.int64),
-                              torch.zeros(n, dtype=torch.bool))
+                              torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int32))
         if len(staged):
             w, s = fn(staged.weights, staged.state, s_idx)
             staged.weights, staged.state = w.to(torch.device("cpu"), t.cfg.torch_dtype), s.cpu()
@@ -723,6 +807,436 @@ class EmbeddingCache:
                 tier.state[slots] = s
                 tier.dirty[slots] = d
             raise
+
+    # ------------------------------------------------------------------ passes and prefetch
+    def _worker_pool(self) -> ThreadPoolExecutor:
+        with self._global_lock:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcache-prefetch")
+            return self._worker
+
+    def _checked_keysets(self, keysets: Mapping[str, Any]) -> dict[str, Keyset]:
+        if self._closed:
+            raise CacheClosedError("the cache is closed")
+        ks = as_keysets(keysets)
+        for name in ks:
+            self._table(name)
+        return ks
+
+    def prefetch(self, keysets: Mapping[str, Any]) -> PrefetchFuture:
+        """Stage the rows of the next pass in the background; returns a future.
+
+        Rows of ``keysets`` not in memory are read from the store (or created) on a background
+        worker, most frequent first, and placed in free HBM slots, then in DDR (evicting rows no
+        pass or lease pins), then over unpinned HBM rows; whatever does not fit stays on disk.
+        Staged and already-resident keyset rows are pinned until the next :meth:`begin_pass`
+        (which adopts them) or until the future is cancelled or released. Lookups and updates go
+        on meanwhile and stay correct: a row changed while it was being read is read again.
+
+        Args:
+            keysets: ``{table: Keyset or keys}`` (raw keys are counted; counts order the staging).
+
+        Returns:
+            A :class:`~embcache.prefetch.PrefetchFuture`; its result is
+            ``{table: {"staged_rows", "leased_rows", "seconds"}}``; its error (e.g. StoreError)
+            is raised again by the next ``begin_pass``.
+
+        Raises:
+            UnknownTableError, InvalidKeysError, CacheClosedError.
+        """
+        ks = self._checked_keysets(keysets)
+        fut = self._submit_prefetch(ks)
+        with self._global_lock:
+            self._prefetches.append(fut)
+        return fut
+
+    def prefetch_batch(self, keysets: Mapping[str, Any]) -> PrefetchFuture:
+        """Stage the rows one upcoming batch will look up, and lease them until ``release()``.
+
+        Like :meth:`prefetch`, but the pins are held until the returned future's ``release()``
+        or ``cancel()`` (not adopted by ``begin_pass``). :class:`~embcache.prefetch.LookAhead`
+        manages these leases for a data loader.
+
+        Raises:
+            UnknownTableError, InvalidKeysError, CacheClosedError.
+        """
+        return self._submit_prefetch(self._checked_keysets(keysets))
+
+    def _submit_prefetch(self, ks: dict[str, Keyset]) -> PrefetchFuture:
+        fut = PrefetchFuture(self._release_prefetch)
+
+        def job() -> None:
+            out: dict[str, dict[str, float]] = {}
+            try:
+                for name, keyset in ks.items():
+                    if fut.stopping:
+                        break
+                    out[name] = self._prefetch_table(self._tables[name], keyset, fut)
+            except BaseException as exc:
+                fut._finish(error=exc)
+            else:
+                fut._finish(out)
+
+        with self._global_lock:
+            self._live.add(fut)
+        fut.add_done_callback(self._live.discard)
+        self._worker_pool().submit(job)
+        return fut
+
+    def _release_prefetch(self, fut: PrefetchFuture) -> None:
+        for t in self._tables.values():
+            with t.lock:
+                keys = fut.pinned.pop(t.cfg.name, [])
+                if keys and not self._closed:
+                    self._pin(t, torch.cat(keys), -1)
+
+    def _pin(self, t: _Table, keys: torch.Tensor, delta: int) -> None:
+        """Add ``delta`` to the pins of the resident rows of unique CPU ``keys``."""
+        if keys.numel() == 0:
+            return
+        hs = t.hbm.find(keys)
+        in_h = hs >= 0
+        t.hbm.add_pins(hs[in_h], delta)
+        ds = t.ddr.find(keys[~in_h.cpu()])
+        t.ddr.add_pins(ds[ds >= 0], delta)
+
+    @staticmethod
+    def _resident(t: _Table, keys: torch.Tensor) -> torch.Tensor:
+        """Bool [n] (CPU): which of the CPU ``keys`` are in HBM or DDR."""
+        return (t.hbm.find(keys).cpu() >= 0) | (t.ddr.find(keys) >= 0)
+
+    def _pin_for(self, fut: PrefetchFuture, t: _Table, keys: torch.Tensor) -> None:
+        if keys.numel():
+            self._pin(t, keys, 1)
+            fut.pinned.setdefault(t.cfg.name, []).append(keys.clone())
+
+    def _prefetch_table(self, t: _Table, ks: Keyset, fut: PrefetchFuture) -> dict[str, float]:
+        """Stage one table's keyset in chunks; the store is read without the table's lock."""
+        assert self._store is not None
+        t0 = time.perf_counter()
+        order = ks.hottest_first()
+        with t.lock:
+            if self._closed:
+                raise CacheClosedError("the cache was closed during a prefetch")
+            resident = self._resident(t, order)
+            if fut.stopping:
+                return {"staged_rows": 0, "leased_rows": 0, "seconds": 0.0}
+            self._pin_for(fut, t, order[resident])
+            room = t.hbm.capacity + t.ddr.capacity - t.hbm.pinned_count() - t.ddr.pinned_count()
+            todo = order[~resident][:max(room, 0)]
+        leased, staged = int(resident.sum()), 0
+        for start in range(0, todo.numel(), _STAGE_CHUNK):
+            chunk = todo[start:start + _STAGE_CHUNK]
+            with t.lock:
+                if fut.stopping or self._closed:
+                    break
+                t.log_watchers += 1
+                mark = len(t.write_log)
+            try:
+                t_read = time.perf_counter()
+                found, records = self._store.get_many(t.cfg.name, chunk.numpy())
+                weights, state, fmask = self._decode_or_create(t, chunk, found, records)
+                read_seconds = time.perf_counter() - t_read
+            finally:
+                with t.lock:
+                    written = t.write_log[mark:]
+                    t.log_watchers -= 1
+                    if t.log_watchers == 0:
+                        t.write_log.clear()
+            with t.lock:
+                if fut.stopping or self._closed:
+                    break
+                ssd = t.stats.ssd
+                ssd.reads += 1
+                ssd.read_rows += int(fmask.sum())
+                ssd.read_bytes += int(fmask.sum()) * t.record_bytes
+                ssd.seconds += read_seconds
+                resident = self._resident(t, chunk)  # looked up or updated meanwhile: memory is authoritative
+                self._pin_for(fut, t, chunk[resident])
+                leased += int(resident.sum())
+                keep = ~resident
+                if written:  # written back while we read: our copy may be stale, read it again
+                    stale = torch.isin(chunk, torch.cat(written)) & keep
+                    if bool(stale.any()):
+                        f2, r2 = self._read_store(t, chunk[stale])
+                        w2, s2, _ = self._decode_or_create(t, chunk[stale], f2, r2)
+                        weights[stale], state[stale] = w2, s2
+                keys = chunk[keep]
+                n = keys.numel()
+                rows = RowBatch(keys, weights[keep], state[keep], t.sketch.estimate(keys) if n else
+                                torch.empty(0, dtype=torch.float64), torch.full((n,), t.clock.now, dtype=torch.int64),
+                                torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int32))
+                # free HBM first, then DDR over unpinned rows, then HBM over unpinned rows
+                a = min(n, t.hbm.free)
+                b = min(n - a, t.ddr.capacity - t.ddr.pinned_count())
+                c = min(n - a - b, t.hbm.capacity - t.hbm.pinned_count() - t.hbm.free)
+                if a + b + c == 0:
+                    break
+                keys_h = torch.cat([keys[:a], keys[a + b:a + b + c]])
+                placed = self._arrange(t, keys_h, keys[a:a + b], pool=rows, pin=True)
+                if placed.numel():
+                    fut.pinned.setdefault(t.cfg.name, []).append(placed)
+                staged += placed.numel()
+        seconds = time.perf_counter() - t0
+        with t.lock:
+            t.stats.prefetch_rows += staged
+            t.stats.prefetch_seconds += seconds
+        return {"staged_rows": staged, "leased_rows": leased, "seconds": seconds}
+
+    def begin_pass(self, keysets: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+        """Make a pass's keyset resident (the most frequent rows in HBM) and pin it until :meth:`end_pass`.
+
+        Waits for the outstanding :meth:`prefetch` jobs and adopts what they staged; keys they
+        did not stage are read now (the slow path without prefetch). When the keyset is larger
+        than the unpinned room of HBM and DDR, its most frequent keys are kept; lookups of the
+        others, and of keys outside the keyset, still work (from disk) and are counted
+        (``stats()[table]["pass"]["outside_keyset"]`` counts the latter).
+
+        Args:
+            keysets: ``{table: Keyset or keys}``.
+
+        Returns:
+            ``{table: {"keyset_rows": n, "pinned_rows": m}}``.
+
+        Raises:
+            PassStateError: a pass is already active.
+            The error of a failed prefetch (its pins are released; calling again stages synchronously).
+            UnknownTableError, InvalidKeysError, CacheClosedError, StoreError (nothing pinned).
+        """
+        ks = self._checked_keysets(keysets)
+        with self._global_lock:
+            if self._pass_active:
+                raise PassStateError("a pass is already active; call end_pass() before begin_pass()")
+            pending, self._prefetches = self._prefetches, []
+        error: BaseException | None = None
+        for f in pending:
+            try:
+                f.result()
+            except CancelledError:
+                pass
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            for f in pending:
+                f.release()
+            raise error
+        report: dict[str, dict[str, int]] = {}
+        with self._all_tables():
+            if self._closed:
+                raise CacheClosedError("the cache is closed")
+            if self._pass_active:
+                raise PassStateError("a pass is already active; call end_pass() before begin_pass()")
+            for f in pending:  # adopt: the pass pins these rows itself below
+                f.release()
+            try:
+                for name, keyset in ks.items():
+                    t = self._tables[name]
+                    t.pass_keyset = keyset
+                    t.pass_pinned = self._begin_table(t, keyset)
+                    report[name] = {"keyset_rows": len(keyset), "pinned_rows": int(t.pass_pinned.numel())}
+            except BaseException:
+                for t in self._tables.values():
+                    self._pin(t, t.pass_pinned, -1)
+                    t.pass_pinned, t.pass_keyset = torch.empty(0, dtype=torch.int64), None
+                raise
+            self._pass_active = True
+        return report
+
+    def _begin_table(self, t: _Table, ks: Keyset) -> torch.Tensor:
+        """Arrange one table for a pass (hottest keys in HBM, the next in DDR) and pin; the keys pinned."""
+        order = ks.hottest_first()
+        h = max(t.hbm.capacity - t.hbm.pinned_count(), 0)
+        d = max(t.ddr.capacity - t.ddr.pinned_count(), 0)
+        order = order[:h + d]
+        empty = torch.empty(0, dtype=torch.int64)
+        pinned = [empty]
+        try:
+            for part, to_hbm in ((order[:h], True), (order[h:], False)):
+                for start in range(0, part.numel(), _STAGE_CHUNK):
+                    chunk = part[start:start + _STAGE_CHUNK]
+                    pinned.append(self._arrange(t, chunk if to_hbm else empty, empty if to_hbm else chunk,
+                                                pin=True, wanted=ks))
+        except BaseException:
+            self._pin(t, torch.cat(pinned), -1)
+            raise
+        return torch.cat(pinned)
+
+    def end_pass(self) -> Future:  # type: ignore[type-arg]
+        """Unpin the pass's rows and write dirty rows back in the background.
+
+        Returns:
+            A future of the number of rows written back (errors, e.g. StoreError, surface there;
+            rows that failed to write stay dirty in memory, nothing is lost).
+
+        Raises:
+            PassStateError: no pass is active.
+            CacheClosedError.
+        """
+        with self._all_tables():
+            if self._closed:
+                raise CacheClosedError("the cache is closed")
+            if not self._pass_active:
+                raise PassStateError("no pass is active; call begin_pass(keysets) first")
+            for t in self._tables.values():
+                self._pin(t, t.pass_pinned, -1)
+                t.pass_pinned, t.pass_keyset = torch.empty(0, dtype=torch.int64), None
+            self._pass_active = False
+        fut: Future = Future()  # type: ignore[type-arg]
+
+        def job() -> None:
+            try:
+                fut.set_result(sum(self._write_back(t) for t in list(self._tables.values())))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self._worker_pool().submit(job)
+        return fut
+
+    def _write_back(self, t: _Table) -> int:
+        """Write one table's dirty rows to the store in chunks, taking the lock per chunk."""
+        written = 0
+        for tier in (t.hbm, t.ddr):
+            while True:
+                with t.lock:
+                    if self._closed:
+                        return written
+                    slots = tier.dirty_slots()[:_STAGE_CHUNK]
+                    if slots.numel() == 0:
+                        break
+                    self._write_store(t, tier.read(slots))
+                    tier.dirty[slots] = False
+                    written += int(slots.numel())
+        return written
+
+    def _boosted_scores(self, t: _Table, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor,
+                        wanted: Keyset | None) -> torch.Tensor:
+        """Policy scores, with rows of ``wanted`` above every other row (ordered by their counts)."""
+        scores = t.policy.score(freq, last, t.clock.now)
+        if wanted is None or len(wanted) == 0 or keys.numel() == 0:
+            return scores
+        ckeys = keys.cpu()
+        pos = torch.searchsorted(wanted.keys, ckeys).clamp_(max=len(wanted) - 1)
+        member = (wanted.keys[pos] == ckeys).to(scores.device)
+        boost = (_WANTED_SCORE + wanted.counts[pos].to(torch.float64) * _WANTED_STEP).to(scores.device)
+        return torch.where(member, boost, scores)
+
+    def _arrange(self, t: _Table, keys_h: torch.Tensor, keys_d: torch.Tensor, pool: RowBatch | None = None,
+                 pin: bool = False, wanted: Keyset | None = None) -> torch.Tensor:
+        """Move the rows of ``keys_h`` into HBM and of ``keys_d`` into DDR, as far as unpinned room allows.
+
+        Args:
+            keys_h, keys_d: unique CPU keys, disjoint, each hottest first. When pinned rows leave
+                too little room, HBM's coldest targets go to DDR instead, and DDR's stay on disk.
+            pool: rows already read for some non-resident targets (the prefetcher's), used
+                instead of reading the store.
+            pin: pin every target row that ends resident.
+            wanted: a keyset whose rows are evicted last and demoted to DDR first (begin_pass).
+
+        Returns:
+            The target keys now resident (pinned with ``pin``).
+
+        Raises:
+            StoreError: writing back rows that leave memory failed; nothing changed.
+        """
+        cpu = torch.device("cpu")
+        hbm, ddr = t.hbm, t.ddr
+        now = t.clock.now
+        sample = self._config.eviction_sample
+        # 1. HBM: make room for targets not there yet, evicting unpinned non-targets (lowest first)
+        hs = hbm.find(keys_h).cpu()
+        up = torch.nonzero(hs < 0).flatten()
+        ds_up = ddr.find(keys_h[up])
+        victims_h = torch.empty(0, dtype=torch.int64, device=hbm.device)
+        evict_h = up.numel() - hbm.free
+        over_keys = torch.empty(0, dtype=torch.int64)
+        over_ds = over_keys
+        if evict_h > 0:
+            excl = torch.zeros(hbm.capacity, dtype=torch.bool, device=hbm.device)
+            excl[hs[hs >= 0].to(hbm.device)] = True
+
+            def h_scores(slots: torch.Tensor) -> torch.Tensor:
+                return self._boosted_scores(t, hbm.keys[slots], hbm.freq[slots], hbm.last[slots], wanted)
+
+            victims_h, _ = hbm.lowest(evict_h, h_scores, sample, excl,
+                                      t.generator if hbm.device == t.device else None)
+            keep = up.numel() - (evict_h - victims_h.numel())
+            over_keys, over_ds = keys_h[up[keep:]], ds_up[keep:]
+            up, ds_up = up[:keep], ds_up[:keep]
+        from_d = ds_up >= 0
+        d_slots_up = ds_up[from_d]
+        stage_h = keys_h[up[~from_d]]
+        # 2. DDR targets: HBM's overflow first (hotter), then keys_d not in HBM
+        hs_d = hbm.find(keys_d).cpu()
+        kd = keys_d[hs_d < 0]
+        keys_d2 = torch.cat([over_keys, kd])
+        ds2 = torch.cat([over_ds, ddr.find(kd)])
+        stage_d = keys_d2[ds2 < 0]
+        staged = self._pool_or_stage(t, torch.cat([stage_h, stage_d]), pool, now)
+        n_sh = stage_h.numel()
+        staged_h = staged.select(torch.arange(n_sh))
+        staged_d = staged.select(torch.arange(n_sh, len(staged)))
+        hv = hbm.read(victims_h).to(cpu)
+        hv_req = torch.isin(hv.keys, keys_d) if len(hv) else torch.zeros(0, dtype=torch.bool)
+        optional = hv.select(~hv_req)
+        if len(optional):
+            order = torch.argsort(self._boosted_scores(t, optional.keys, optional.freq, optional.last, wanted),
+                                  descending=True, stable=True)
+            optional = optional.select(order)
+        n_req_hv = int(hv_req.sum())
+        cands = RowBatch.cat([hv.select(hv_req), staged_d, optional])
+        n_required = n_req_hv + len(staged_d)
+        room = ddr.free + d_slots_up.numel()
+        victims_d = torch.empty(0, dtype=torch.int64)
+        if n_required > room:
+            excl_d = torch.zeros(ddr.capacity, dtype=torch.bool)
+            excl_d[d_slots_up] = True
+            excl_d[ds2[ds2 >= 0]] = True
+
+            def d_scores(slots: torch.Tensor) -> torch.Tensor:
+                return self._boosted_scores(t, ddr.keys[slots], ddr.freq[slots], ddr.last[slots], wanted)
+
+            victims_d, _ = ddr.lowest(n_required - room, d_scores, sample, excl_d)
+            room += victims_d.numel()
+        n_in = min(room, len(cands))
+        into_d = cands.select(torch.arange(n_in))
+        dv = ddr.read(victims_d)
+        leaving = RowBatch.cat([dv, cands.select(torch.arange(n_in, len(cands)))])
+        # 3. persist what leaves memory dirty; a failure here leaves everything as it was
+        self._write_store(t, leaving.select(leaving.dirty))
+        # 4. commit the moves
+        p_rows = ddr.read(d_slots_up)
+        hbm.remove(victims_h)
+        ddr.remove(torch.cat([d_slots_up, victims_d]))
+        hbm.insert(RowBatch.cat([p_rows, staged_h]))
+        ddr.insert(into_d)
+        if len(leaving):
+            t.sketch.raise_to(leaving.keys, leaving.freq)
+        st = t.stats
+        st.hbm.promotions += d_slots_up.numel() + len(staged_h)
+        st.hbm.demotions += len(hv)
+        st.ddr.promotions += max(0, min(n_in, n_required) - n_req_hv)
+        st.ddr.demotions += len(dv)
+        st.ddr.write_backs += int(dv.dirty.sum())
+        st.hbm.write_backs += int(cands.dirty[n_in:].sum()) if len(cands) > n_in else 0
+        # 5. pin
+        targets = torch.cat([keys_h, keys_d])
+        placed = targets[self._resident(t, targets)]
+        if pin:
+            self._pin(t, placed, 1)
+        return placed
+
+    def _pool_or_stage(self, t: _Table, keys: torch.Tensor, pool: RowBatch | None, now: int) -> RowBatch:
+        """Rows of non-resident ``keys`` (in order): from ``pool`` where it has them, else staged (not counted)."""
+        if pool is None or len(pool) == 0 or keys.numel() == 0:
+            return self._stage(t, keys, None, 0.0, now)
+        sorted_keys, order = torch.sort(pool.keys)
+        pos = torch.searchsorted(sorted_keys, keys).clamp_(max=sorted_keys.numel() - 1)
+        hit = sorted_keys[pos] == keys
+        merged = RowBatch.cat([pool.select(order[pos[hit]]), self._stage(t, keys[~hit], None, 0.0, now)])
+        perm = torch.cat([torch.nonzero(hit).flatten(), torch.nonzero(~hit).flatten()])
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        return merged.select(inverse)
 
     # ------------------------------------------------------------------ persistence
     @contextmanager
@@ -849,11 +1363,16 @@ class EmbeddingCache:
                         "hits": ts.hits, "resident_rows": len(tier), "resident_bytes": len(tier) * tier.row_bytes,
                         "capacity_rows": tier.capacity, "capacity_bytes": tier.capacity * tier.row_bytes,
                         "promotions": ts.promotions, "demotions": ts.demotions, "write_backs": ts.write_backs,
-                        "seconds": ts.seconds,
+                        "pinned_rows": tier.pinned_count(), "seconds": ts.seconds,
                     }
                 ssd = dict(vars(s.ssd))
                 out[name] = {"lookups": s.lookups, "updates": s.updates, "assigns": s.assigns,
-                             "placement_errors": s.placement_errors, **tiers, "ssd": ssd}
+                             "placement_errors": s.placement_errors, **tiers, "ssd": ssd,
+                             "pass": {"active": t.pass_keyset is not None,
+                                      "keyset_rows": len(t.pass_keyset) if t.pass_keyset is not None else 0,
+                                      "pinned_rows": int(t.pass_pinned.numel()),
+                                      "outside_keyset": s.outside_keyset},
+                             "prefetch": {"staged_rows": s.prefetch_rows, "seconds": s.prefetch_seconds}}
         return out
 
     def resident_keys(self, table: str, tier: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ __all__ = [
     "InvalidKeysError",
     "InvalidRowsError",
     "NonFiniteGradientError",
+    "PassStateError",
     "StoreError",
     "StoreFullError",
     "StoreLockedError",
@@ -67,6 +68,10 @@ class BatchTooLargeError(EmbcacheError, ValueError):
 
 class CacheClosedError(EmbcacheError, RuntimeError):
     """The cache was closed; no further operations are possible."""
+
+
+class PassStateError(EmbcacheError, RuntimeError):
+    """begin_pass while a pass is active, or end_pass without one."""
 
 
 class CheckpointExistsError(EmbcacheError, FileExistsError):

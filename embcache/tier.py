@@ -16,7 +16,16 @@ import torch
 from .index import make_index
 from .types import Tier
 
-__all__ = ["MemoryTier", "RowBatch"]
+__all__ = ["MemoryTier", "RowBatch", "resident_row_bytes"]
+
+# Per-row bookkeeping besides weights and state: freq (8), last (8), key (8), occupied and
+# dirty (1 + 1), pins (4).
+_BOOKKEEPING_BYTES = 30
+
+
+def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
+    """Bytes one resident row costs in a memory tier (weights, optimizer state, bookkeeping)."""
+    return dim * torch.empty(0, dtype=dtype).element_size() + 4 * state_width + _BOOKKEEPING_BYTES
 
 _touch_kernel: Any = None
 
@@ -44,7 +53,11 @@ def _numba_touch() -> Any:
 
 @dataclass
 class RowBatch:
-    """Rows in transit between tiers: keys [n], weights [n, dim], state [n, S], freq, last, dirty [n]."""
+    """Rows in transit between tiers: keys [n], weights [n, dim], state [n, S], freq, last, dirty, pins [n].
+
+    ``pins`` (int32) counts the holders (a pass, a prefetch, a batch lease) that keep a row in
+    memory; it moves with the row.
+    """
 
     keys: torch.Tensor
     weights: torch.Tensor
@@ -52,6 +65,7 @@ class RowBatch:
     freq: torch.Tensor
     last: torch.Tensor
     dirty: torch.Tensor
+    pins: torch.Tensor
 
     def __len__(self) -> int:
         return int(self.keys.shape[0])
@@ -68,10 +82,10 @@ class RowBatch:
     def cat(batches: list[RowBatch]) -> RowBatch:
         """Concatenate batches (all on one device)."""
         parts = [b._fields() for b in batches]
-        return RowBatch(*(torch.cat([p[i] for p in parts]) for i in range(6)))
+        return RowBatch(*(torch.cat([p[i] for p in parts]) for i in range(7)))
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
-        return (self.keys, self.weights, self.state, self.freq, self.last, self.dirty)
+        return (self.keys, self.weights, self.state, self.freq, self.last, self.dirty, self.pins)
 
 
 class MemoryTier:
@@ -101,7 +115,7 @@ class MemoryTier:
         self.keys = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.occupied = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.pinned = torch.zeros(capacity, dtype=torch.bool, device=device)  # kept resident (passes)
+        self.pins = torch.zeros(capacity, dtype=torch.int32, device=device)  # holders keeping a row resident
         self.index = make_index(max(capacity, 1), device)
         # Free slots as a stack; popping from the end hands out low slots first.
         self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
@@ -119,8 +133,7 @@ class MemoryTier:
     @property
     def row_bytes(self) -> int:
         """Bytes one resident row costs (weights, state and bookkeeping)."""
-        return (self.dim * self.weights.element_size() + self.state.shape[1] * 4
-                + 8 + 8 + 8 + 3)  # freq, last, key, occupied/dirty/pinned
+        return resident_row_bytes(self.dim, self.weights.dtype, self.state.shape[1])
 
     # -- lookup --------------------------------------------------------------------------------
     def find(self, keys: torch.Tensor) -> torch.Tensor:
@@ -149,7 +162,7 @@ class MemoryTier:
         """Copies of the rows at ``slots`` (no change to the tier)."""
         slots = slots.to(self.device)
         return RowBatch(self.keys[slots], self.weights[slots], self.state[slots], self.freq[slots],
-                        self.last[slots], self.dirty[slots])
+                        self.last[slots], self.dirty[slots], self.pins[slots])
 
     def dirty_slots(self) -> torch.Tensor:
         """Slots of resident rows that differ from their stored copy."""
@@ -188,7 +201,7 @@ class MemoryTier:
         self.last[slots] = rows.last
         self.dirty[slots] = rows.dirty
         self.occupied[slots] = True
-        self.pinned[slots] = False
+        self.pins[slots] = rows.pins.to(torch.int32)
         self.index.insert(rows.keys, slots)
         return slots
 
@@ -200,10 +213,22 @@ class MemoryTier:
         self.index.erase(self.keys[slots])
         self.occupied[slots] = False
         self.dirty[slots] = False
-        self.pinned[slots] = False
+        self.pins[slots] = 0
         n = slots.numel()
         self._free[self._n_free:self._n_free + n] = slots
         self._n_free += n
+
+    def add_pins(self, slots: torch.Tensor, delta: int) -> None:
+        """Add ``delta`` to the pin counts of ``slots`` (unique; a count never drops below 0)."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(self.device)
+        self.pins.index_add_(0, slots, torch.full(slots.shape, delta, dtype=torch.int32, device=self.device))
+        self.pins[slots] = self.pins[slots].clamp_(min=0)
+
+    def pinned_count(self) -> int:
+        """Resident rows held by at least one pin."""
+        return int((self.occupied & (self.pins > 0)).sum())
 
     def scale_freq(self, factor: float) -> None:
         """Multiply every frequency by ``factor`` (clock renormalization)."""
@@ -214,7 +239,7 @@ class MemoryTier:
         self.index.clear()
         self.occupied.zero_()
         self.dirty.zero_()
-        self.pinned.zero_()
+        self.pins.zero_()
         self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
         self._n_free = self.capacity
 
@@ -234,15 +259,16 @@ class MemoryTier:
         Returns:
             (slots int64 [m], scores float64 [m]) with m <= k, lowest score first.
         """
-        evictable = self.occupied & ~self.pinned
+        evictable = self.occupied & (self.pins == 0)
         if exclude is not None:
             evictable &= ~exclude
         n_cand = sample * k
-        if n_cand * 2 >= self.capacity:
-            cand = torch.nonzero(evictable).flatten()
-        else:
+        cand = None
+        if n_cand * 2 < self.capacity:
             cand = torch.randint(0, self.capacity, (n_cand,), device=self.device, generator=generator)
             cand = torch.unique(cand[evictable[cand]])
+        if cand is None or cand.numel() < k:  # small tier, or a mostly pinned one the sample missed
+            cand = torch.nonzero(evictable).flatten()
         if cand.numel() == 0 or k == 0:
             empty = torch.empty(0, device=self.device)
             return empty.to(torch.int64), empty.to(torch.float64)

@@ -25,7 +25,7 @@ def store(request: pytest.FixtureRequest) -> str:
 def row_bytes(dim: int, optimizer: str = "sgd") -> int:
     """Memory bytes one fp32 row costs (must match MemoryTier.row_bytes)."""
     width = {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim + 1}[optimizer]
-    return dim * 4 + width * 4 + 27
+    return dim * 4 + width * 4 + 30
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """Transparency: any sequence of operations through the cache gives the rows of a plain dict-of-rows.
 
 A hypothesis state machine drives random lookups, gradient updates, assigns, flushes,
-checkpoint/restore (into other capacities and the other backend) and reopen, with tiers of a
-few rows so rows move on almost every step, and checks every lookup against a reference that
+checkpoint/restore (into other capacities and the other backend), reopen, background
+prefetches, passes and batch leases (left running while the next operations go on), with tiers
+of a few rows so rows move on almost every step, and checks every lookup against a reference that
 keeps all rows in a dict and applies the same initializer and optimizer.
 """
 
@@ -74,6 +75,8 @@ def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
             self.cfg = TableConfig(name="t", dim=DIM, optimizer=optimizer, lr=0.05, seed=11)
             self.ref = Reference(self.cfg)
             self.cache: EmbeddingCache | None = None
+            self.in_pass = False
+            self.leases: list[Any] = []
 
         def config(self, hbm: int, ddr: int, kind: str, policy: str) -> CacheConfig:
             rb = row_bytes(DIM, optimizer)
@@ -108,6 +111,35 @@ def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
             self.cache.assign("t", torch.tensor(keys, dtype=torch.int64), rows)
             self.ref.assign(keys, rows)
 
+        @rule(keys=keys_st)
+        def prefetch(self, keys: list[int]) -> None:
+            assert self.cache is not None
+            self.cache.prefetch({"t": torch.tensor(keys, dtype=torch.int64)})  # left running
+
+        @rule(keys=keys_st)
+        def begin_or_end_pass(self, keys: list[int]) -> None:
+            assert self.cache is not None
+            if self.in_pass:
+                self.cache.end_pass()  # write-back left running
+            else:
+                self.cache.begin_pass({"t": torch.tensor(keys, dtype=torch.int64)})
+            self.in_pass = not self.in_pass
+
+        @rule(keys=keys_st)
+        def lease(self, keys: list[int]) -> None:
+            assert self.cache is not None
+            self.leases.append(self.cache.prefetch_batch({"t": torch.tensor(keys, dtype=torch.int64)}))
+
+        @rule(cancel=st.booleans())
+        def release_lease(self, cancel: bool) -> None:
+            if self.leases:
+                lease = self.leases.pop(0)
+                lease.cancel() if cancel else lease.release()
+
+        def _reset_pass_state(self) -> None:
+            self.in_pass = False
+            self.leases = []
+
         @rule()
         def flush(self) -> None:
             assert self.cache is not None
@@ -120,6 +152,7 @@ def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
             ckpt = f"{self.tmp}/ckpt{self.n_paths}"
             self.cache.checkpoint(ckpt)
             self.cache.close()
+            self._reset_pass_state()
             kind = ("lmdb" if store == "rocksdb" else "rocksdb") if other_backend else store
             self.cache = EmbeddingCache.restore(ckpt, self.config(hbm, ddr, kind, self.policy))
 
@@ -128,6 +161,7 @@ def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
             assert self.cache is not None
             path, kind = self.cache.config.path, self.cache.config.store
             self.cache.close()
+            self._reset_pass_state()
             rb = row_bytes(DIM, optimizer)
             self.cache = EmbeddingCache(CacheConfig(hbm_bytes=hbm * rb, ddr_bytes=ddr * rb, path=path,
                                                     store=kind, device="cpu", policy=self.policy, halflife=20.0))
@@ -141,6 +175,13 @@ def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
                 assert s[tier]["resident_rows"] <= s[tier]["capacity_rows"]
             hbm = set(self.cache.resident_keys("t", "hbm").tolist())
             assert not hbm & set(self.cache.resident_keys("t", "ddr").tolist())
+            assert s["pass"]["active"] == self.in_pass
+            if not self.in_pass and not self.leases:  # released leases and ended passes leave no pins behind
+                for f in list(self.cache._live):
+                    f.result()  # a prefetch still running holds pins until the next begin_pass adopts it
+                if not self.cache._prefetches:
+                    s = self.cache.stats()["t"]
+                    assert s["hbm"]["pinned_rows"] == 0 and s["ddr"]["pinned_rows"] == 0
 
         def teardown(self) -> None:
             if self.cache is not None:
