@@ -21,6 +21,7 @@ table lock in name order. The store itself is shared and thread-safe.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import fcntl
 import json
 import math
@@ -269,24 +270,90 @@ class EmbeddingCache:
                 raise TableConflictError(f"table {cfg.name!r} conflicts with its stored definition ({diffs})")
             merged[cfg.name] = cfg
         configs = [merged[n] for n in sorted(merged)]
-        shares = sum(c.memory_share for c in configs) or 1.0
-        hbm_bytes = self._config.resolved_hbm_bytes()
-        ddr_bytes = self._config.resolved_ddr_bytes()
         for cfg in configs:
-            width = state_width(cfg.optimizer, cfg.dim)
-            row_bytes = resident_row_bytes(cfg.dim, cfg.torch_dtype, width)
-            frac = cfg.memory_share / shares
-            t = _Table(cfg, int(hbm_bytes * frac) // row_bytes, int(ddr_bytes * frac) // row_bytes,
-                       self._device, self._config, self._policy)
-            self._store.open_table(cfg.name, t.record_bytes)
-            sketch = self._store.get_meta(f"sketch/{cfg.name}")
-            if sketch:
-                t.sketch.load_bytes(sketch)
-            clock = self._store.get_meta(f"clock/{cfg.name}")
-            if clock:
-                t.clock.load(json.loads(clock))
-            self._tables[cfg.name] = t
+            hbm_rows, ddr_rows = self._tier_rows(cfg, configs)
+            self._add_table(cfg, hbm_rows, ddr_rows)
         self._store.put_meta("tables", json.dumps([c.to_dict() for c in configs]).encode())
+
+    def _tier_rows(self, cfg: TableConfig, configs: Sequence[TableConfig]) -> tuple[int, int]:
+        """HBM and DDR rows of ``cfg`` when the tiers' bytes are divided among ``configs`` by memory_share."""
+        shares = sum(c.memory_share for c in configs) or 1.0
+        row_bytes = resident_row_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim))
+        frac = cfg.memory_share / shares
+        return (int(self._config.resolved_hbm_bytes() * frac) // row_bytes,
+                int(self._config.resolved_ddr_bytes() * frac) // row_bytes)
+
+    def _add_table(self, cfg: TableConfig, hbm_rows: int, ddr_rows: int) -> None:
+        assert self._store is not None
+        t = _Table(cfg, hbm_rows, ddr_rows, self._device, self._config, self._policy)
+        self._store.open_table(cfg.name, t.record_bytes)
+        sketch = self._store.get_meta(f"sketch/{cfg.name}")
+        if sketch:
+            t.sketch.load_bytes(sketch)
+        clock = self._store.get_meta(f"clock/{cfg.name}")
+        if clock:
+            t.clock.load(json.loads(clock))
+        self._tables[cfg.name] = t
+
+    def create_table(self, cfg: TableConfig) -> bool:
+        """Add a table while the cache runs; the tiers' memory is divided again among all tables.
+
+        Idempotent: an equal definition under the same name changes nothing. The definition is
+        stored, so the table is there when the store is reopened. Rows of other tables that no
+        longer fit their smaller share are written back to the store (the least used first).
+
+        Returns:
+            True if the table was created, False if an equal one exists.
+
+        Raises:
+            TableConflictError: a table of that name exists with another definition.
+            PassStateError: rows are pinned (a pass, prefetch or lease is active).
+            ConfigError: ``cfg`` is not a TableConfig.
+            CacheClosedError, StoreError (nothing changed).
+        """
+        if not isinstance(cfg, TableConfig):
+            raise ConfigError(f"create_table takes a TableConfig, got {type(cfg).__name__}")
+        with self._all_tables():
+            if self._closed:
+                raise CacheClosedError("the cache is closed")
+            old = self._tables.get(cfg.name)
+            if old is not None:
+                if old.cfg == cfg:
+                    return False
+                diffs = ", ".join(f"{f.name}: existing {getattr(old.cfg, f.name)!r}, given {getattr(cfg, f.name)!r}"
+                                  for f in dataclasses.fields(cfg) if getattr(old.cfg, f.name) != getattr(cfg, f.name))
+                raise TableConflictError(f"table {cfg.name!r} exists with another definition ({diffs})")
+            if any(t.hbm.pinned_count() or t.ddr.pinned_count() for t in self._tables.values()):
+                raise PassStateError("tables cannot be added while rows are pinned; end the pass and release "
+                                     "prefetches and leases first")
+            assert self._store is not None
+            configs = [*(t.cfg for t in self._tables.values()), cfg]
+            for t in list(self._tables.values()):
+                self._resize(t, *self._tier_rows(t.cfg, configs))
+            self._add_table(cfg, *self._tier_rows(cfg, configs))
+            self._store.put_meta("tables", json.dumps([c.to_dict() for c in sorted(configs, key=lambda c: c.name)])
+                                 .encode())
+        return True
+
+    def _resize(self, t: _Table, hbm_rows: int, ddr_rows: int) -> None:
+        """Give a table's tiers new capacities, keeping its highest-scored rows (the rest written back)."""
+        if (hbm_rows, ddr_rows) == (t.hbm.capacity, t.ddr.capacity):
+            return
+        cpu = torch.device("cpu")
+        rows = RowBatch.cat([t.hbm.read(t.hbm.occupied_slots()).to(cpu), t.ddr.read(t.ddr.occupied_slots())])
+        order = torch.argsort(t.policy.score(rows.freq, rows.last, t.clock.now), descending=True, stable=True)
+        rows = rows.select(order)
+        leaving = rows.select(torch.arange(min(hbm_rows + ddr_rows, len(rows)), len(rows)))
+        self._write_store(t, leaving.select(leaving.dirty))  # may raise: nothing changed yet
+        hbm = MemoryTier(Tier.HBM, hbm_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, t.device)
+        ddr = MemoryTier(Tier.DDR, ddr_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, cpu,
+                         pin=t.device.type == "cuda")
+        n_h = min(hbm_rows, len(rows))
+        hbm.insert(rows.select(torch.arange(n_h)))
+        ddr.insert(rows.select(torch.arange(n_h, min(hbm_rows + ddr_rows, len(rows)))))
+        t.hbm, t.ddr = hbm, ddr
+        if len(leaving):
+            t.sketch.raise_to(leaving.keys, leaving.freq)
 
     def close(self) -> None:
         """Write every dirty row and the frequency state back, then release the store. Idempotent."""

@@ -25,6 +25,7 @@ from embcache import (
     InvalidKeysError,
     InvalidRowsError,
     NonFiniteGradientError,
+    PassStateError,
     StoreFullError,
     StoreLockedError,
     TableConfig,
@@ -126,6 +127,38 @@ def test_multiple_tables_of_different_dims(make_cache: Any) -> None:
     cache.apply_gradients("b", kb, torch.ones(20, 16))
     assert not torch.equal(cache.lookup("b", kb), rb)
     torch.testing.assert_close(cache.lookup("a", ka), ra, rtol=0, atol=0)
+
+
+def test_create_table_at_run_time_divides_memory_and_persists(make_cache: Any) -> None:
+    cache = make_cache(hbm_rows=8, ddr_rows=16)
+    keys = torch.arange(24)
+    cache.apply_gradients("t", keys, torch.ones(24, 8))
+    before = cache.lookup("t", keys).clone()
+    new = TableConfig(name="u", dim=8, optimizer="adagrad", lr=0.1, seed=9)
+    assert cache.create_table(new) is True
+    assert cache.create_table(new) is False  # idempotent for the same definition
+    assert cache.capacity_rows("t") == {"hbm": 4, "ddr": 8}  # equal shares of the same bytes
+    assert cache.capacity_rows("u") == {"hbm": 4, "ddr": 8}
+    torch.testing.assert_close(cache.lookup("t", keys), before, rtol=0, atol=0)  # shrunk, nothing lost
+    cache.apply_gradients("u", keys, torch.ones(24, 8))
+    with pytest.raises(TableConflictError, match="lr"):
+        cache.create_table(TableConfig(name="u", dim=8, optimizer="adagrad", lr=0.5, seed=9))
+    with pytest.raises(ConfigError):
+        cache.create_table({"name": "v", "dim": 8})  # type: ignore[arg-type]
+    cache.begin_pass({"t": keys[:4]})
+    with pytest.raises(PassStateError):
+        cache.create_table(TableConfig(name="v", dim=4))
+    cache.end_pass()
+    u_rows = cache.lookup("u", keys).clone()
+    cfg = cache.config
+    cache.close()
+    reopened = EmbeddingCache(cfg)
+    try:
+        assert set(reopened.tables()) == {"t", "u"}
+        torch.testing.assert_close(reopened.lookup("u", keys), u_rows, rtol=0, atol=0)
+        torch.testing.assert_close(reopened.lookup("t", keys), before, rtol=0, atol=0)
+    finally:
+        reopened.close()
 
 
 def test_capacity_never_exceeded_and_tiers_disjoint(make_cache: Any) -> None:
