@@ -97,6 +97,37 @@ class CacheCollector(Collector):
             for table, s in stats.items():
                 fam.add_metric([table], s["ssd"][field])
             yield fam
+        yield from _pass_metrics(stats)
+
+
+def _pass_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Pins, the current pass and background staging, per table (and tier for pins)."""
+    pinned = GaugeMetricFamily("embcache_tier_pinned_rows", "Rows held in the tier by a pass, prefetch or lease",
+                               labels=["table", "tier"])
+    active = GaugeMetricFamily("embcache_pass_active", "1 while a pass is active", labels=["table"])
+    keyset = GaugeMetricFamily("embcache_pass_keyset_rows", "Unique keys in the current pass's keyset",
+                               labels=["table"])
+    pass_pinned = GaugeMetricFamily("embcache_pass_pinned_rows", "Keyset rows the current pass keeps in memory",
+                                    labels=["table"])
+    outside = CounterMetricFamily("embcache_pass_outside_keyset_lookups",
+                                  "Key occurrences looked up below HBM during a pass that are not in its keyset",
+                                  labels=["table"])
+    staged = CounterMetricFamily("embcache_prefetch_staged_rows", "Rows staged into memory by prefetches",
+                                 labels=["table"])
+    seconds = CounterMetricFamily("embcache_prefetch_busy_seconds", "Time the prefetch worker spent staging",
+                                  labels=["table"])
+    for table, s in stats.items():
+        for tier in ("hbm", "ddr"):
+            pinned.add_metric([table, tier], s[tier].get("pinned_rows", 0))
+        p = s.get("pass", {})
+        active.add_metric([table], float(bool(p.get("active", False))))
+        keyset.add_metric([table], p.get("keyset_rows", 0))
+        pass_pinned.add_metric([table], p.get("pinned_rows", 0))
+        outside.add_metric([table], p.get("outside_keyset", 0))
+        f = s.get("prefetch", {})
+        staged.add_metric([table], f.get("staged_rows", 0))
+        seconds.add_metric([table], f.get("seconds", 0.0))
+    yield from (pinned, active, keyset, pass_pinned, outside, staged, seconds)
 
 
 def register_metrics(cache: Any, registry: CollectorRegistry | None = None) -> CacheCollector:

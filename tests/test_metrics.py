@@ -49,6 +49,18 @@ def test_metrics_match_stats_over_http(make_cache: Any) -> None:
         assert m[("embcache_rows_created_total", (("table", "t"),))] == stats["ssd"]["created"] > 0
         hits = sum(m[("embcache_tier_hits_total", (("table", "t"), ("tier", t)))] for t in ("hbm", "ddr", "ssd"))
         assert hits + m[("embcache_rows_created_total", (("table", "t"),))] == 240
+        cache.begin_pass({"t": torch.arange(4)})
+        cache.lookup("t", torch.tensor([100, 101]))
+        m = scrape(port)
+        t = (("table", "t"),)
+        assert m[("embcache_pass_active", t)] == 1 and m[("embcache_pass_keyset_rows", t)] == 4
+        assert m[("embcache_pass_outside_keyset_lookups_total", t)] == 2
+        assert sum(m[("embcache_tier_pinned_rows", (("table", "t"), ("tier", x)))] for x in ("hbm", "ddr")) == 4
+        cache.end_pass()
+        cache.prefetch({"t": torch.arange(30, 34)}).result(timeout=30)
+        m = scrape(port)
+        assert m[("embcache_pass_active", t)] == 0
+        assert m[("embcache_prefetch_staged_rows_total", t)] == cache.stats()["t"]["prefetch"]["staged_rows"] > 0
         cache.close()
         assert not any(name.startswith("embcache_") for name, _ in scrape(port))  # a closed cache exports nothing
     finally:
