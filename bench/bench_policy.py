@@ -8,7 +8,7 @@ For each workload (stationary Zipf with alpha 0.8, 1.05 and 1.2; drifting popula
 cold keys; Zipf mixed with one-hit-wonder scans; see ``bench/workloads.py``) and each capacity
 (0.1%, 1% and 5% of the key space), it measures the hit ratio of
 
-- the exact reference simulators of ``bench/reference_policies.py``: LRU, LFU (admission-free),
+- the exact reference simulators of ``embcache/sim.py``: LRU, LFU (admission-free),
   W-TinyLFU (Caffeine's design) and OPT (Belady's MIN with bypass, the offline upper bound);
 - embcache's policies ("lrfu", "lru", "lfu") run through the real :class:`embcache.EmbeddingCache`
   (HBM tier sized to the capacity in rows, no DDR tier, RocksDB below): the trace is looked up in
@@ -45,8 +45,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # run as a script: make `bench` and `embcache` importable
     sys.path.insert(0, str(_ROOT))
 
-from bench.reference_policies import REFERENCE_POLICIES  # noqa: E402
 from bench.workloads import bursty_trace, drifting_trace, scan_mix_trace, zipf_trace  # noqa: E402
+from embcache.sim import REFERENCE_POLICIES  # noqa: E402
 
 RESULTS_DIR = _ROOT / "bench" / "results"
 EMBCACHE_POLICIES = ("lrfu", "lru", "lfu")

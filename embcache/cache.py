@@ -60,6 +60,7 @@ from .errors import (
 )
 from .init import init_rows
 from .keyset import Keyset, as_keysets
+from .mrc import MissRatioEstimator
 from .optim import OptimizerParams, apply_update, initial_state, state_width
 from .policy import Clock, FrequencySketch, Policy, make_policy
 from .prefetch import PrefetchFuture
@@ -163,8 +164,20 @@ class _Table:
         # keys written to the store while a prefetch reads it outside the lock (see _prefetch_table)
         self.write_log: list[torch.Tensor] = []
         self.log_watchers = 0
+        self.mrc: MissRatioEstimator | None = None
+        self.reset_mrc(config)
         self.pass_keyset: Keyset | None = None
         self.pass_pinned = torch.empty(0, dtype=torch.int64)
+
+    def reset_mrc(self, config: CacheConfig) -> None:
+        """(Re)start the miss-ratio-curve estimator for the current tier capacities."""
+        if self.mrc is not None:
+            self.mrc.close()
+            self.mrc = None
+        rows = (self.hbm.capacity, self.ddr.capacity)
+        if config.mrc_sample_rate != 0 and self.policy.name in ("lrfu", "lfu") and sum(rows) > 0:
+            self.mrc = MissRatioEstimator(*rows, halflife=config.halflife if self.policy.aging else math.inf,
+                                          rate=config.mrc_sample_rate)
 
     def scores_of(self, tier: MemoryTier) -> Any:
         """A callback giving the policy's scores of resident rows of ``tier`` at ``slots``."""
@@ -352,6 +365,7 @@ class EmbeddingCache:
         hbm.insert(rows.select(torch.arange(n_h)))
         ddr.insert(rows.select(torch.arange(n_h, min(hbm_rows + ddr_rows, len(rows)))))
         t.hbm, t.ddr = hbm, ddr
+        t.reset_mrc(self._config)
         if len(leaving):
             t.sketch.raise_to(leaving.keys, leaving.freq)
 
@@ -368,6 +382,9 @@ class EmbeddingCache:
             finally:
                 self._closed = True
                 _OPEN_CACHES.discard(self)
+                for t in self._tables.values():
+                    if t.mrc is not None:
+                        t.mrc.close()
                 self._release()
 
     def _stop_worker(self) -> None:
@@ -525,6 +542,8 @@ class EmbeddingCache:
                 out.index_copy_(0, miss_pos, values.index_select(0, inverse))
             t.stats.lookups += n
             t.stats.hbm.hits += n_hit
+            if t.mrc is not None:
+                t.mrc.observe(keys)
             self._advance_clock(t, n)
         return out
 
@@ -1439,7 +1458,9 @@ class EmbeddingCache:
                                       "keyset_rows": len(t.pass_keyset) if t.pass_keyset is not None else 0,
                                       "pinned_rows": int(t.pass_pinned.numel()),
                                       "outside_keyset": s.outside_keyset},
-                             "prefetch": {"staged_rows": s.prefetch_rows, "seconds": s.prefetch_seconds}}
+                             "prefetch": {"staged_rows": s.prefetch_rows, "seconds": s.prefetch_seconds},
+                             "mrc": ({"sample_rate": t.mrc.rate, **t.mrc.hit_ratios()} if t.mrc is not None
+                                     else None)}
         return out
 
     def resident_keys(self, table: str, tier: str) -> torch.Tensor:

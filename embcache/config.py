@@ -175,6 +175,10 @@ class CacheConfig:
         reject_nonfinite: reject gradients containing NaN or inf (default True).
         store_options: extra keyword options for the store backend.
         validate_memory: check capacities against the machine (default True).
+        mrc_sample_rate: share of keys the online miss-ratio-curve estimator samples
+            (:mod:`embcache.mrc`); None = automatic (about 2,048 rows in its smallest shadow,
+            at most 1/64 of the keys once HBM holds more than 8k rows), 0 = off. Policies
+            "lrfu" and "lfu" only (the shadows run those).
     """
 
     hbm_bytes: int | None = None
@@ -191,6 +195,7 @@ class CacheConfig:
     reject_nonfinite: bool = True
     store_options: Mapping[str, Any] = field(default_factory=dict)
     validate_memory: bool = True
+    mrc_sample_rate: float | None = None
 
     def __post_init__(self) -> None:
         kind = _enum_value(StoreKind, self.store, "CacheConfig.store")
@@ -216,6 +221,8 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.sketch_width={self.sketch_width!r}: must be a power of two >= 16")
         if self.eviction_sample < 1:
             raise ConfigError(f"CacheConfig.eviction_sample={self.eviction_sample!r}: must be >= 1")
+        if self.mrc_sample_rate is not None and not 0.0 <= self.mrc_sample_rate <= 1.0:
+            raise ConfigError(f"CacheConfig.mrc_sample_rate={self.mrc_sample_rate!r}: must be None or in [0, 1]")
         if self.max_batch_keys < 1:
             raise ConfigError(f"CacheConfig.max_batch_keys={self.max_batch_keys!r}: must be >= 1")
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):

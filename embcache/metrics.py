@@ -128,6 +128,23 @@ def _pass_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         staged.add_metric([table], f.get("staged_rows", 0))
         seconds.add_metric([table], f.get("seconds", 0.0))
     yield from (pinned, active, keyset, pass_pinned, outside, staged, seconds)
+    mrc = GaugeMetricFamily(
+        "embcache_mrc_hit_ratio",
+        "Estimated hit ratio at capacity_factor x the tier's capacity (online shadow caches, embcache.mrc); "
+        "tier=hbm: HBM alone, tier=ddr: HBM or DDR (not from the SSD) with both tiers scaled",
+        labels=["table", "tier", "capacity_factor"])
+    rate = GaugeMetricFamily("embcache_mrc_sample_rate", "Share of keys the miss-ratio estimator samples",
+                             labels=["table"])
+    for table, s in stats.items():
+        m = s.get("mrc")
+        if not m:
+            continue
+        rate.add_metric([table], m["sample_rate"])
+        for tier in ("hbm", "ddr"):
+            for factor, ratio in m[tier].items():
+                if ratio == ratio:  # NaN until something was sampled: leave the series out
+                    mrc.add_metric([table, tier, factor], ratio)
+    yield from (mrc, rate)
 
 
 def register_metrics(cache: Any, registry: CollectorRegistry | None = None) -> CacheCollector:

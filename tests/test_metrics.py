@@ -49,6 +49,12 @@ def test_metrics_match_stats_over_http(make_cache: Any) -> None:
         assert m[("embcache_rows_created_total", (("table", "t"),))] == stats["ssd"]["created"] > 0
         hits = sum(m[("embcache_tier_hits_total", (("table", "t"), ("tier", t)))] for t in ("hbm", "ddr", "ssd"))
         assert hits + m[("embcache_rows_created_total", (("table", "t"),))] == 240
+        cache._tables["t"].mrc.drain()
+        m = scrape(port)
+        mrc = {dict(labels)["capacity_factor"]: v for (name, labels), v in m.items()
+               if name == "embcache_mrc_hit_ratio" and dict(labels)["tier"] == "ddr"}
+        assert set(mrc) == {"0.25", "0.5", "1", "2", "4"} and all(0 <= v <= 1 for v in mrc.values())
+        assert mrc["4"] >= mrc["0.25"]
         cache.begin_pass({"t": torch.arange(4)})
         cache.lookup("t", torch.tensor([100, 101]))
         m = scrape(port)

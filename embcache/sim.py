@@ -1,4 +1,4 @@
-"""Exact sequential cache simulators: the reference policies embcache is measured against.
+"""Exact sequential cache simulators: the reference policies embcache is measured against (and sized with).
 
 Each simulator replays a key trace (1-D integer array, one entry per access) through a cache
 that holds at most ``capacity`` keys and counts hits. They are exact (no sampling, no
@@ -35,6 +35,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numba
 import numpy as np
@@ -43,9 +44,12 @@ __all__ = [
     "REFERENCE_POLICIES",
     "SKETCH_SEEDS",
     "HitRatioFn",
+    "LrfuSim",
     "hit_ratio_curve",
     "lfu_hit_ratio",
     "lfu_hits",
+    "lrfu_hit_ratio",
+    "lrfu_hits",
     "lru_hit_ratio",
     "lru_hits",
     "opt_hit_ratio",
@@ -706,3 +710,178 @@ def hit_ratio_curve(sim: HitRatioFn, trace: np.ndarray, capacities: Sequence[int
         float64 array of hit ratios, one per capacity, in order.
     """
     return np.array([sim(trace, int(c)) for c in capacities], dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# embcache's own policy (LRFU with admission), exact and incremental
+
+
+_RENORM = 2.0**40
+
+
+@numba.njit(cache=True, inline="always")
+def _lrfu_cell(key: int, row: int, mask: int) -> int:
+    x = np.uint64(key) ^ SKETCH_SEEDS_NB[row]
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return np.int64(x & np.uint64(mask))
+
+
+SKETCH_SEEDS_NB = SKETCH_SEEDS.copy()
+
+
+@numba.njit(cache=True, inline="always")
+def _heap_swap(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int, j: int) -> None:
+    hk[i], hk[j] = hk[j], hk[i]
+    hs[i], hs[j] = hs[j], hs[i]
+    pos[hk[i]] = i
+    pos[hk[j]] = j
+
+
+@numba.njit(cache=True)
+def _heap_down(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int, size: int) -> None:
+    while True:
+        lo = 2 * i + 1
+        if lo >= size:
+            return
+        m = lo
+        if lo + 1 < size and hs[lo + 1] < hs[lo]:
+            m = lo + 1
+        if hs[m] < hs[i]:
+            _heap_swap(hk, hs, pos, i, m)
+            i = m
+        else:
+            return
+
+
+@numba.njit(cache=True)
+def _heap_up(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int) -> None:
+    while i > 0:
+        p = (i - 1) // 2
+        if hs[i] < hs[p]:
+            _heap_swap(hk, hs, pos, i, p)
+            i = p
+        else:
+            return
+
+
+@numba.njit(cache=True)
+def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.ndarray, hk: np.ndarray,
+                 hs: np.ndarray, pos: Any, state: np.ndarray, sketch: np.ndarray, admission: bool) -> int:
+    """Replay ``keys`` through an LRFU cache (a min-heap of aged frequencies); returns the hits.
+
+    ``clock`` = [now, t0, halflife] (ticks); ``state`` = [size, capacity]. With ``tick_each`` every
+    key advances the clock by one tick; otherwise the whole batch shares one increment and the
+    clock then advances by ``batch_ticks`` (what the cache does per lookup).
+    """
+    size, cap = state[0], state[1]
+    mask = sketch.shape[1] - 1
+    hits = 0
+    inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        if tick_each:
+            inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
+        if k in pos:
+            idx = pos[k]
+            hits += 1
+            hs[idx] += inc
+            _heap_down(hk, hs, pos, idx, size)
+        else:
+            est = np.inf
+            for r in range(4):
+                c = _lrfu_cell(k, r, mask)
+                sketch[r, c] += inc
+                if sketch[r, c] < est:
+                    est = sketch[r, c]
+            if cap > 0:
+                if size < cap:
+                    hk[size] = k
+                    hs[size] = est
+                    pos[k] = size
+                    size += 1
+                    _heap_up(hk, hs, pos, size - 1)
+                elif not admission or est > hs[0]:
+                    vk, vs = hk[0], hs[0]
+                    del pos[vk]
+                    for r in range(4):
+                        c = _lrfu_cell(vk, r, mask)
+                        if sketch[r, c] < vs:
+                            sketch[r, c] = vs
+                    hk[0] = k
+                    hs[0] = est
+                    pos[k] = 0
+                    _heap_down(hk, hs, pos, 0, size)
+        if tick_each:
+            clock[0] += 1.0
+            if 2.0 ** ((clock[0] - clock[1]) / clock[2]) >= _RENORM:
+                f = 1.0 / 2.0 ** ((clock[0] - clock[1]) / clock[2])
+                hs[:size] *= f
+                sketch *= f
+                clock[1] = clock[0]
+    if not tick_each:
+        clock[0] += batch_ticks
+        if 2.0 ** ((clock[0] - clock[1]) / clock[2]) >= _RENORM:
+            f = 1.0 / 2.0 ** ((clock[0] - clock[1]) / clock[2])
+            hs[:size] *= f
+            sketch *= f
+            clock[1] = clock[0]
+    state[0] = size
+    return hits
+
+
+class LrfuSim:
+    """embcache's default policy (``lrfu`` with admission) as an exact, incremental simulator.
+
+    Unlike the cache it evicts the exact lowest score (the cache picks among a sample) and runs
+    one tier; rows outside the cache keep their aged frequency in a count-min sketch four times
+    the capacity wide, as the cache's does.
+
+    Args:
+        capacity: keys the cache holds.
+        halflife: ticks after which an access counts half; None = 16x the capacity (the
+            cache's default), ``math.inf`` = plain LFU with admission.
+        admission: a new key displaces the lowest-scored one only if its frequency is higher.
+    """
+
+    def __init__(self, capacity: int, halflife: float | None = None, admission: bool = True) -> None:
+        cap = _check_capacity(capacity)
+        self.capacity = cap
+        self._clock = np.array([0.0, 0.0, halflife if halflife is not None else float(max(16 * cap, 1024))])
+        self._hk = np.zeros(max(cap, 1), dtype=np.int64)
+        self._hs = np.zeros(max(cap, 1), dtype=np.float64)
+        self._pos = numba.typed.Dict.empty(numba.types.int64, numba.types.int64)
+        self._state = np.array([0, cap], dtype=np.int64)
+        self._sketch = np.zeros((4, _next_pow2(max(4 * cap, 64))), dtype=np.float64)
+        self._admission = admission
+
+    def access(self, keys: np.ndarray, batch_ticks: int | None = None) -> int:
+        """Replay ``keys`` (int64 [n]); returns how many hit.
+
+        Args:
+            keys: the accesses, in order.
+            batch_ticks: None = one tick per key (a sequential trace); otherwise all keys share
+                the current increment and the clock then moves ``batch_ticks`` on (a sampled batch).
+        """
+        k = np.ascontiguousarray(keys, dtype=np.int64)
+        return int(_lrfu_kernel(k, batch_ticks is None, int(batch_ticks or 0), self._clock, self._hk, self._hs,
+                                self._pos, self._state, self._sketch, self._admission))
+
+    def __len__(self) -> int:
+        return int(self._state[0])
+
+
+def lrfu_hits(trace: np.ndarray, capacity: int, halflife: float | None = None) -> int:
+    """Hits of :class:`LrfuSim` (embcache's ``lrfu`` policy) replaying ``trace`` one access per tick."""
+    keys = np.asarray(trace)
+    if keys.ndim != 1 or not np.issubdtype(keys.dtype, np.integer):
+        raise ValueError(f"trace must be a 1-D integer array, got {keys.dtype} of shape {keys.shape}")
+    return LrfuSim(capacity, halflife).access(keys.astype(np.int64, copy=False))
+
+
+def lrfu_hit_ratio(trace: np.ndarray, capacity: int) -> float:
+    """Hit ratio (hits / accesses, 0 for an empty trace) of :func:`lrfu_hits`."""
+    return _ratio(lrfu_hits(trace, capacity), trace)
