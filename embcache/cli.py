@@ -1,0 +1,26 @@
+"""The ``embcache`` command: tools around the cache.
+
+    embcache sizing TRACE...    miss-ratio curves and tier sizes for a target hit ratio
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from . import sizing
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand."""
+    parser = argparse.ArgumentParser(prog="embcache", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("sizing", help="miss-ratio curves of a key trace and the tier sizes a target needs",
+                       description=sizing.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sizing.add_arguments(p)
+    p.set_defaults(run=sizing.run)
+    args = parser.parse_args(argv)
+    return int(args.run(args))
