@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import hashlib
 import math
 import os
@@ -109,7 +110,7 @@ from _common import (  # noqa: E402
 )
 from workloads import zipf_ranks  # noqa: E402
 
-from embcache import CacheConfig, EmbeddingCache, TableConfig  # noqa: E402
+from embcache import CacheConfig, EmbeddingCache, LookAhead, TableConfig  # noqa: E402
 from embcache.stores import Store, open_store  # noqa: E402
 
 TABLE = "emb"
@@ -501,13 +502,15 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
         "batch": batch, "dim": dim, "stored_rows": n_distinct, "hbm_rows": hbm_rows, "ddr_rows": ddr_rows,
         "warmup_accesses": n_warm * batch, "timed_accesses": n_seg * seg_rows, "segments": n_seg,
     }
-    paths = {name: os.path.join(work_dir, f"tier-{batch}-{dim}-{name}") for name in ("cache", "rocksdb", "lru")}
+    paths = {name: os.path.join(work_dir, f"tier-{batch}-{dim}-{name}")
+             for name in ("cache", "ahead", "rocksdb", "lru")}
     for p in paths.values():
         shutil.rmtree(p, ignore_errors=True)
         shutil.copytree(prefilled, p)
     cfg = CacheConfig(hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, path=paths["cache"], store="rocksdb",
                       device="cpu")
     cache = EmbeddingCache(cfg, [table_config(dim)])
+    ahead_cache = EmbeddingCache(dataclasses.replace(cfg, path=paths["ahead"]), [table_config(dim)])
     rocks = open_store("rocksdb", os.path.join(paths["rocksdb"], STORE_SUBDIR))
     lru_store = open_store("rocksdb", os.path.join(paths["lru"], STORE_SUBDIR))
     profile = cProfile.Profile() if args.profile else None
@@ -524,6 +527,11 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
         def cache_lookup(b: np.ndarray) -> None:
             cache.lookup(TABLE, keys[id(b)], out=out)
 
+        def ahead_segment(seg: list[np.ndarray]) -> None:
+            # the next 2 batches are staged by the background worker while this one is looked up
+            for b in LookAhead(ahead_cache, seg, lambda b: {TABLE: keys[id(b)]}, depth=2):
+                ahead_cache.lookup(TABLE, keys[id(b)], out=out)
+
         def rocks_lookup(b: np.ndarray) -> None:
             found, records = rocks.get_many(TABLE, b)
             out_np[...] = records[:, :wb].view(np.float32)
@@ -532,13 +540,19 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
         def lru_lookup(b: np.ndarray) -> None:
             lru.lookup(b, out_np)
 
-        contenders: dict[str, Callable[[np.ndarray], None]] = {
-            "cache": cache_lookup, "rocksdb": rocks_lookup, "dict_lru": lru_lookup}
+        def per_batch(fn: Callable[[np.ndarray], None]) -> Callable[[list[np.ndarray]], None]:
+            def run(seg: list[np.ndarray]) -> None:
+                for b in seg:
+                    fn(b)
+            return run
+
+        contenders: dict[str, Callable[[list[np.ndarray]], None]] = {
+            "cache": per_batch(cache_lookup), "cache_lookahead": ahead_segment, "rocksdb": per_batch(rocks_lookup),
+            "dict_lru": per_batch(lru_lookup)}
         warm_s: dict[str, float] = {}
         for name, fn in contenders.items():
             t0 = time.perf_counter()
-            for b in warm:
-                fn(b)
+            fn(warm)
             warm_s[name] = time.perf_counter() - t0
         seg_stats = [stats_of(cache)]
         lru_marks = [(lru.hits, lru.accesses)]
@@ -549,8 +563,7 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
                 if prof is not None:
                     prof.enable()
                 t0 = time.perf_counter()
-                for b in seg:
-                    fn(b)
+                fn(seg)
                 seg_s[name].append(time.perf_counter() - t0)
                 if prof is not None:
                     prof.disable()
@@ -574,8 +587,11 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
         result["dict_lru_hit_rate"] = (lru_marks[-1][0] - lru_marks[0][0]) / (lru_marks[-1][1] - lru_marks[0][1])
         if profile is not None:
             result["cache_profile"] = profile_summary(profile)
+        ahead = ahead_cache.stats()[TABLE]
+        result["cache_lookahead_hit_rates"] = {t: ahead[t]["hits"] / ahead["lookups"] for t in ("hbm", "ddr", "ssd")}
     finally:
         cache.close()
+        ahead_cache.close()
         rocks.close()
         lru_store.close()
         for p in paths.values():
@@ -586,12 +602,16 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
     result["rocksdb_rows_read_per_lookup"] = unique
     result["speedup_bound_if_memory_were_free"] = unique / max(result["cache_store_rows_read_per_lookup"], 1e-12)
     result["vs_rocksdb"] = result["cache"]["rows_per_s"] / result["rocksdb"]["rows_per_s"]
+    result["lookahead_vs_rocksdb"] = result["cache_lookahead"]["rows_per_s"] / result["rocksdb"]["rows_per_s"]
     result["vs_dict_lru"] = result["cache"]["rows_per_s"] / result["dict_lru"]["rows_per_s"]
     hr = result["cache_hit_rates"]
     print(f"  embcache {fmt_rate(result['cache']['rows_per_s'])} rows/s (hits: HBM {hr['hbm']:.1%}, "
           f"DDR {hr['ddr']:.1%}, SSD {hr['ssd']:.1%}); RocksDB direct {fmt_rate(result['rocksdb']['rows_per_s'])} "
           f"rows/s; dict LRU {fmt_rate(result['dict_lru']['rows_per_s'])} rows/s (hit "
           f"{result['dict_lru_hit_rate']:.1%})", flush=True)
+    ah = result["cache_lookahead_hit_rates"]
+    print(f"  embcache + LookAhead(depth 2) {fmt_rate(result['cache_lookahead']['rows_per_s'])} rows/s "
+          f"({result['lookahead_vs_rocksdb']:.2f}x RocksDB direct; lookups served by SSD {ah['ssd']:.1%})", flush=True)
     print(f"  embcache / RocksDB direct {result['vs_rocksdb']:.2f}x, / dict LRU {result['vs_dict_lru']:.2f}x; "
           f"store rows read per lookup: embcache {result['cache_store_rows_read_per_lookup']:.3f}, RocksDB direct "
           f"{unique:.3f} (bound {result['speedup_bound_if_memory_were_free']:.1f}x)", flush=True)
@@ -635,6 +655,8 @@ def summary_rows(hot: list[dict[str, Any]], tiered: list[dict[str, Any]]) -> lis
     for r in tiered:
         tag = f"B={r['batch']:,} d={r['dim']}"
         add(f"tiered lookup {tag}", r["cache"]["rows_per_s"], "RocksDB multi-get direct",
+            r["rocksdb"]["rows_per_s"], TARGETS["tiered"])
+        add(f"tiered lookup + LookAhead {tag}", r["cache_lookahead"]["rows_per_s"], "RocksDB multi-get direct",
             r["rocksdb"]["rows_per_s"], TARGETS["tiered"])
         add(f"tiered lookup {tag}", r["cache"]["rows_per_s"], "Python dict LRU + RocksDB",
             r["dict_lru"]["rows_per_s"], None)
@@ -685,9 +707,12 @@ def plot(hot: list[dict[str, Any]], tiered: list[dict[str, Any]], path: str, tit
     if tiered:
         panels.append(("tiered lookup (HBM 1% / DDR 10% / RocksDB)",
                        [f"B={r['batch']}\nd={r['dim']}" for r in tiered],
-                       [{"embcache": r["cache"]["rows_per_s"], "RocksDB direct": r["rocksdb"]["rows_per_s"],
+                       [{"embcache": r["cache"]["rows_per_s"],
+                         "embcache + LookAhead": r.get("cache_lookahead", {}).get("rows_per_s"),
+                         "RocksDB direct": r["rocksdb"]["rows_per_s"],
                          "dict LRU": r["dict_lru"]["rows_per_s"]} for r in tiered]))
-    colors = {"embcache": "#1f77b4", "index_select ceiling": "#7f7f7f", "FBGEMM fwd": "#ff7f0e",
+    colors = {"embcache": "#1f77b4", "embcache + LookAhead": "#17becf", "index_select ceiling": "#7f7f7f",
+              "FBGEMM fwd": "#ff7f0e",
               "FBGEMM fwd+bwd": "#ff7f0e", "RocksDB direct": "#2ca02c", "dict LRU": "#d62728"}
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), squeeze=False)
     for ax, (name, labels, groups) in zip(axes[0], panels, strict=True):

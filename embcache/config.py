@@ -177,7 +177,7 @@ class CacheConfig:
         validate_memory: check capacities against the machine (default True).
         mrc_sample_rate: share of keys the online miss-ratio-curve estimator samples
             (:mod:`embcache.mrc`); None = automatic (about 2,048 rows in its smallest shadow,
-            at most 1/64 of the keys once HBM holds more than 8k rows), 0 = off. Policies
+            at most 1/64 of the keys), 0 = off. Policies
             "lrfu" and "lfu" only (the shadows run those).
     """
 

@@ -719,7 +719,7 @@ def hit_ratio_curve(sim: HitRatioFn, trace: np.ndarray, capacities: Sequence[int
 _RENORM = 2.0**40
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True, nogil=True, inline="always")
 def _lrfu_cell(key: int, row: int, mask: int) -> int:
     x = np.uint64(key) ^ SKETCH_SEEDS_NB[row]
     x ^= x >> np.uint64(30)
@@ -733,7 +733,7 @@ def _lrfu_cell(key: int, row: int, mask: int) -> int:
 SKETCH_SEEDS_NB = SKETCH_SEEDS.copy()
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True, nogil=True, inline="always")
 def _heap_swap(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int, j: int) -> None:
     hk[i], hk[j] = hk[j], hk[i]
     hs[i], hs[j] = hs[j], hs[i]
@@ -741,7 +741,7 @@ def _heap_swap(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int, j: int) -> None
     pos[hk[j]] = j
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _heap_down(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int, size: int) -> None:
     while True:
         lo = 2 * i + 1
@@ -757,7 +757,7 @@ def _heap_down(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int, size: int) -> N
             return
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _heap_up(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int) -> None:
     while i > 0:
         p = (i - 1) // 2
@@ -768,7 +768,7 @@ def _heap_up(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int) -> None:
             return
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.ndarray, hk: np.ndarray,
                  hs: np.ndarray, pos: Any, state: np.ndarray, sketch: np.ndarray, admission: bool) -> int:
     """Replay ``keys`` through an LRFU cache (a min-heap of aged frequencies); returns the hits.

@@ -23,7 +23,7 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_metrics_match_stats_over_http(make_cache: Any) -> None:
-    cache = make_cache(hbm_rows=3, ddr_rows=5)
+    cache = make_cache(hbm_rows=3, ddr_rows=5, mrc_sample_rate=1.0)
     registry = CollectorRegistry()
     register_metrics(cache, registry)
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
