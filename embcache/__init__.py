@@ -4,6 +4,7 @@
 >>> cache = EmbeddingCache(CacheConfig(path="./data"), tables=[TableConfig(name="user", dim=64)])
 """
 
+from . import nn
 from .cache import EmbeddingCache
 from .config import CacheConfig, TableConfig
 from .errors import (
@@ -56,4 +57,5 @@ __all__ = [
     "TableConflictError",
     "Tier",
     "UnknownTableError",
+    "nn",
 ]

@@ -1,0 +1,601 @@
+"""Torch modules whose embedding tables live in an embedding cache (embedded or remote).
+
+``CachedEmbedding``, ``CachedEmbeddingBag`` and ``CachedEmbeddingBagCollection`` behave like
+``torch.nn.Embedding`` / ``torch.nn.EmbeddingBag`` / torchrec's ``EmbeddingBagCollection``, but
+hold no copy of the table: every forward looks up the batch's unique keys in the cache, and
+every backward hands their gradients to the cache, which applies the table's own optimizer
+(the one in its :class:`~embcache.TableConfig`) in place.
+
+Fused backward-optimizer. This is the design of FBGEMM's table-batched embeddings (TBE): the
+optimizer step of the embedding rows happens *inside* ``loss.backward()``. Consequences:
+
+* There is no ``optimizer.step()`` for the embeddings and ``zero_grad()`` does not concern them;
+  the modules have no parameters (``list(m.parameters()) == []``) and an empty ``state_dict()``:
+  the cache persists the rows (``flush``/``checkpoint``). A torch optimizer still steps the
+  dense part of the model.
+* Each backward is one step. Gradient accumulation over micro-batches (several backwards before
+  one ``step``) steps each time; so does a second backward through a retained graph.
+* A table used by two modules (or one module called twice) in one step gets one optimizer step
+  per backward node, each with its own gradient. For SGD that equals torch's single step with
+  the summed gradient (up to rounding); for stateful optimizers (AdaGrad, Adam) it does not.
+  :class:`CachedEmbeddingBagCollection` merges the features of a table into one lookup and one
+  update, which is exactly torch's summed gradient.
+* Every key a bag refers to is updated, with a zero gradient where the pooling gives it none
+  (max mode, zero per-sample weights), as torch's sparse gradient lists every looked-up index;
+  for SGD and AdaGrad a zero gradient changes nothing, Adam's moments decay. Keys equal to
+  ``padding_idx``, and keys after the last offset with ``include_last_offset=True``, are not
+  looked up at all.
+
+Updates happen only when the module is in training mode and gradients are enabled. Under
+``torch.no_grad()``/``torch.inference_mode()`` or after ``module.eval()`` the lookups still
+happen (and count in the cache's statistics), the outputs do not require grad, and nothing is
+applied.
+
+Devices. Rows come back on ``cache.device``; keys are uniqued and bags pooled there, and each
+output is moved to its input's device.
+
+Copies. ``copy.deepcopy`` of a module (or of a model holding one) shares the cache, so the copy
+reads and trains the same table; ``module.to(device)`` changes nothing (there is nothing to move).
+The modules cannot be pickled with the cache; persist the rows with the cache's ``checkpoint``.
+
+Errors (raised before anything is looked up, so a bad batch changes nothing):
+
+* ``TypeError``: input, offsets or per_sample_weights is not a tensor (or None where allowed).
+* :class:`~embcache.errors.InvalidKeysError` (a ``ValueError``): bad dtype or shape of input,
+  offsets or per_sample_weights; offsets not starting at 0, decreasing or past the input's
+  length; offsets given with a 2-D input or missing with a 1-D one; a collection batch whose
+  features are not the configured ones. torch raises ``ValueError`` for the shape errors its
+  Python layer checks and ``RuntimeError`` for the rest; here it is one type throughout.
+* ``NotImplementedError``: per_sample_weights with mode "mean" or "max", with torch's own message,
+  so code written for ``torch.nn.EmbeddingBag`` catches the same type.
+* At construction: :class:`~embcache.errors.UnknownTableError` (a ``KeyError``) for a table
+  the cache does not have, :class:`~embcache.errors.ConfigError` (a ``ValueError``) for a bad
+  mode, padding_idx or feature mapping, ``TypeError`` for an object that is not a cache.
+* Errors of the cache itself (e.g. ``NonFiniteGradientError`` from a NaN loss) surface from
+  ``forward`` or ``loss.backward()`` unchanged; the cache applies nothing then.
+
+Differences from torch, on purpose: keys are any int64 (there is no ``num_embeddings`` and no
+index-out-of-range error); ``padding_idx`` is a key value (a negative one is a key, not an
+index counted from the end); a 2-D input with zero columns gives empty bags (zeros) where torch
+fails; per_sample_weights of any floating dtype are cast to float32 (torch wants the weight's
+dtype); with ``include_last_offset=True``, keys after the last offset belong to no bag in every
+mode (torch's "sum" ignores them, but its "mean" counts them and its "max" pools them into the
+last bag); ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are not offered.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TableConfig
+from .errors import ConfigError, InvalidKeysError, UnknownTableError
+
+__all__ = [
+    "MODES",
+    "CacheLike",
+    "CachedEmbedding",
+    "CachedEmbeddingBag",
+    "CachedEmbeddingBagCollection",
+    "FeatureInput",
+]
+
+#: Pooling modes of the bag modules (torch's).
+MODES: tuple[str, ...] = ("sum", "mean", "max")
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_CACHE_METHODS = ("lookup", "apply_gradients", "lookup_many", "apply_gradients_many", "tables", "device")
+
+#: One feature of a collection batch: a 2-D input (fixed-size bags), ``(input, offsets)`` or
+#: ``(input, offsets, per_sample_weights)``.
+FeatureInput = (
+    torch.Tensor
+    | tuple[torch.Tensor, torch.Tensor | None]
+    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+)
+
+
+class CacheLike(Protocol):
+    """What the modules need of a cache: :class:`~embcache.EmbeddingCache` or ``embcache.Client``."""
+
+    @property
+    def device(self) -> torch.device:
+        """Device the looked-up rows are returned on."""
+        ...
+
+    def tables(self) -> Mapping[str, TableConfig]:
+        """The cache's tables by name."""
+        ...
+
+    def lookup(self, table: str, keys: torch.Tensor, /) -> torch.Tensor:
+        """Rows of ``keys`` (int64 [n]): float32 [n, dim] on ``device``."""
+        ...
+
+    def apply_gradients(self, table: str, keys: torch.Tensor, grads: torch.Tensor, /) -> None:
+        """Apply the table's optimizer to the rows of ``keys`` with ``grads`` float32 [n, dim]."""
+        ...
+
+    def lookup_many(self, keys: Mapping[str, torch.Tensor], /) -> Mapping[str, torch.Tensor]:
+        """Rows of several tables in one call: ``{table: keys [n]} -> {table: float32 [n, dim]}``."""
+        ...
+
+    def apply_gradients_many(self, updates: Mapping[str, tuple[torch.Tensor, torch.Tensor]], /) -> None:
+        """Apply gradients to several tables in one call: ``{table: (keys [n], grads [n, dim])}``."""
+        ...
+
+
+if TYPE_CHECKING:
+    from .cache import EmbeddingCache
+
+    def _embedded_cache_is_cache_like(cache: EmbeddingCache) -> CacheLike:  # checked by mypy only
+        return cache
+
+
+# ---------------------------------------------------------------------- construction helpers
+def _check_cache(cache: Any) -> None:
+    """Reject an object lacking the cache methods (duck-typed, so proxies and clients pass)."""
+    missing = [m for m in _CACHE_METHODS if not hasattr(cache, m)]
+    if missing:
+        raise TypeError(f"cache must be an EmbeddingCache or embcache.Client; {type(cache).__name__} lacks {missing}")
+
+
+def _table_config(cache: CacheLike, table: str) -> TableConfig:
+    """The config of ``table``; UnknownTableError if the cache does not serve it."""
+    tables = cache.tables()
+    if not isinstance(table, str) or table not in tables:
+        raise UnknownTableError(f"unknown table {table!r}; tables: {sorted(tables)}")
+    return tables[table]
+
+
+def _check_mode(mode: Any) -> str:
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode!r} is not allowed; choose one of {', '.join(repr(m) for m in MODES)}")
+    return str(mode)
+
+
+def _check_padding_idx(padding_idx: Any) -> int | None:
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or not -(2**63) <= padding_idx < 2**63:
+        raise ConfigError(f"padding_idx={padding_idx!r}: must be None or an int64 key")
+    return padding_idx
+
+
+# ---------------------------------------------------------------------- batch helpers
+def _check_index_tensor(what: str, value: Any, prefix: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{prefix}{what} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in _INDEX_DTYPES:
+        raise InvalidKeysError(f"{prefix}{what} must be an int64 or int32 tensor, got dtype {value.dtype}")
+    return value
+
+
+@dataclass
+class _Bags:
+    """One batch of bags in canonical form, on the cache's device."""
+
+    keys: torch.Tensor  # int64 [n]: the keys of all bags (keys in no bag dropped)
+    offsets: torch.Tensor  # int64 [B + 1]: bag b is keys[offsets[b]:offsets[b + 1]]; offsets[B] == n
+    weights: torch.Tensor | None  # float32 [n] per-sample weights
+    out_device: torch.device  # the input's device, where the output goes
+
+
+def _canonical_bags(input: Any, offsets: Any, per_sample_weights: Any, include_last_offset: bool, mode: str,
+                    device: torch.device, prefix: str = "") -> _Bags:
+    """Validate a bag batch as torch.nn.EmbeddingBag would and bring it to canonical form.
+
+    Args:
+        input: int64/int32 [n] keys with ``offsets``, or [B, L] fixed-size bags without.
+        offsets: int64/int32 [B] starts of the bags ([B + 1] with ``include_last_offset``), or None.
+        per_sample_weights: floating, the shape of ``input``, or None (mode "sum" only).
+        include_last_offset: ``offsets`` ends with the end of the last bag (torch's meaning).
+        mode: one of MODES.
+        device: the cache's device.
+        prefix: put before error messages (a feature's name).
+
+    Raises:
+        TypeError, InvalidKeysError, NotImplementedError: see the module docstring.
+    """
+    input = _check_index_tensor("input", input, prefix)
+    psw = per_sample_weights
+    if psw is not None:
+        if not isinstance(psw, torch.Tensor):
+            raise TypeError(f"{prefix}per_sample_weights must be a torch.Tensor or None, got {type(psw).__name__}")
+        if mode != "sum":
+            raise NotImplementedError(
+                f"{prefix}embedding_bag: per_sample_weights was not None. per_sample_weights is only supported "
+                f"for mode='sum' (got mode='{mode}'). Please open a feature request on GitHub.")
+        if not psw.dtype.is_floating_point:
+            raise InvalidKeysError(f"{prefix}per_sample_weights must be floating point, got dtype {psw.dtype}")
+        if psw.shape != input.shape:
+            raise InvalidKeysError(f"{prefix}embedding_bag: If per_sample_weights ({psw.shape}) is not None, "
+                                   f"then it must have the same shape as the input ({input.shape})")
+    if input.dim() == 2:
+        if offsets is not None:
+            raise InvalidKeysError(f"{prefix}if input is 2D, then offsets has to be None, as input is treated as a "
+                                   f"mini-batch of fixed length sequences; got offsets of type {type(offsets)}")
+        n_bags, length = input.shape
+        keys = input.reshape(-1).to(device, torch.int64)
+        canon = torch.arange(n_bags + 1, dtype=torch.int64, device=device) * length
+        weights = psw.reshape(-1) if psw is not None else None
+    elif input.dim() == 1:
+        if offsets is None:
+            raise InvalidKeysError(f"{prefix}offsets has to be a 1D Tensor but got None")
+        offsets = _check_index_tensor("offsets", offsets, prefix)
+        if offsets.dim() != 1:
+            raise InvalidKeysError(f"{prefix}offsets has to be a 1D Tensor, got shape {tuple(offsets.shape)}")
+        n = input.numel()
+        if include_last_offset and offsets.numel() == 0:
+            raise InvalidKeysError(f"{prefix}include_last_offset: number of offset should be at least 1")
+        end = n
+        if offsets.numel():
+            off = offsets.to(torch.int64)
+            # one device sync for all three checks
+            first, ascending, last = torch.stack([off[0], (off[1:] >= off[:-1]).all().to(torch.int64),
+                                                  off[-1]]).tolist()
+            if first != 0:
+                raise InvalidKeysError(f"{prefix}offsets[0] has to be 0, i.e., the first sequence in the mini-batch "
+                                       f"has to start from position 0. However, got {first}")
+            if not ascending:
+                raise InvalidKeysError(f"{prefix}offsets must be non-decreasing, got {offsets.tolist()[:32]}")
+            if last > n:
+                raise InvalidKeysError(f"{prefix}offsets[-1] can not be greater than input's length {n} "
+                                       f"but got offsets[-1] of {last}")
+            if include_last_offset:
+                end = last  # keys after the last offset belong to no bag
+            off = off.to(device)
+            canon = off if include_last_offset else torch.cat([off, off.new_tensor([n])])
+        else:
+            end = 0  # no bags: no key is used
+            canon = torch.zeros(1, dtype=torch.int64, device=device)
+        keys = input[:end].to(device, torch.int64)
+        weights = psw[:end] if psw is not None else None
+    else:
+        raise InvalidKeysError(f"{prefix}input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
+    if weights is not None:
+        weights = weights.to(device, torch.float32)
+    return _Bags(keys, canon, weights, input.device)
+
+
+def _unique(keys: torch.Tensor, padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique keys to look up (int64 [u]) and each key's row among them (int64 [n]).
+
+    Keys equal to ``padding_idx`` are left out and point at row u, a zero row the caller appends.
+    """
+    if padding_idx is None:
+        ukeys, inverse = torch.unique(keys, return_inverse=True)
+        return ukeys, inverse
+    real = keys != padding_idx
+    ukeys, inv = torch.unique(keys[real], return_inverse=True)
+    inverse = torch.full_like(keys, ukeys.numel())
+    inverse[real] = inv
+    return ukeys, inverse
+
+
+def _with_padding_row(rows: torch.Tensor, padding_idx: int | None) -> tuple[torch.Tensor, int | None]:
+    """Rows with a zero row appended for the padding key, and that row's index (None without padding)."""
+    if padding_idx is None:
+        return rows, None
+    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])]), rows.shape[0]
+
+
+def _pool(bags: _Bags, inverse: torch.Tensor, rows: torch.Tensor, mode: str,
+          padding_idx: int | None = None) -> torch.Tensor:
+    """Pool the looked-up rows into bags with torch's own embedding_bag; on the input's device."""
+    weight, pad = _with_padding_row(rows, padding_idx)
+    out = F.embedding_bag(inverse, weight, bags.offsets, mode=mode, per_sample_weights=bags.weights,
+                          include_last_offset=True, padding_idx=pad)
+    return out.to(bags.out_device)
+
+
+# ---------------------------------------------------------------------- the autograd bridge
+class _Fetch:
+    """The unique keys of one forward per table: looked up in forward, updated in backward.
+
+    Args:
+        cache: the cache.
+        keys: unique int64 keys per table, on the cache's device.
+        dims: embedding dimension per table (for tables with no keys).
+        many: use lookup_many/apply_gradients_many (one round trip for all tables).
+    """
+
+    def __init__(self, cache: CacheLike, keys: dict[str, torch.Tensor], dims: Mapping[str, int], many: bool) -> None:
+        self.cache = cache
+        self.keys = keys
+        self.names = list(keys)
+        self.dims = dims
+        self.many = many
+
+    def lookup(self) -> list[torch.Tensor]:
+        """Rows (float32 [u, dim], cache device) per table, in ``names`` order."""
+        device = self.cache.device
+        wanted = {n: k for n, k in self.keys.items() if k.numel()}
+        if not wanted:
+            rows: Mapping[str, torch.Tensor] = {}
+        elif self.many:
+            rows = self.cache.lookup_many(wanted)
+        else:
+            (name, keys), = wanted.items()
+            rows = {name: self.cache.lookup(name, keys)}
+        empty = {n: torch.zeros(0, self.dims[n], device=device) for n in self.names if n not in wanted}
+        # .to is a no-op for a cache keeping its contract; it guards pooling against a stray device
+        return [rows[n].to(device) if n in rows else empty[n] for n in self.names]
+
+    def apply(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Hand the gradients of the looked-up rows to the cache (tables without a gradient skipped)."""
+        updates = {n: (self.keys[n], g) for n, g in zip(self.names, grads, strict=True)
+                   if g is not None and self.keys[n].numel()}
+        if not updates:
+            return
+        if self.many:
+            self.cache.apply_gradients_many(updates)
+        else:
+            (name, (keys, g)), = updates.items()
+            self.cache.apply_gradients(name, keys, g)
+
+
+class _CachedRows(torch.autograd.Function):
+    """Rows looked up in the cache as a differentiable tensor; backward applies the optimizer."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, fetch: _Fetch) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        # anchor: an empty tensor requiring grad, only so that autograd records this node
+        ctx.fetch = fetch
+        ctx.set_materialize_grads(False)  # unused tables get None, not zeros to apply
+        return tuple(fetch.lookup())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None]:  # type: ignore[override]
+        ctx.fetch.apply(grads)
+        return None, None
+
+
+def _rows(fetch: _Fetch, record: bool) -> list[torch.Tensor]:
+    """Look the rows up; with ``record``, as an autograd node whose backward updates the cache."""
+    if not record:
+        with torch.no_grad():
+            return fetch.lookup()
+    # a fresh, unregistered anchor: the modules hold no parameter at all
+    anchor = torch.empty(0, requires_grad=True)
+    return list(_CachedRows.apply(anchor, fetch))
+
+
+# ---------------------------------------------------------------------- modules
+class _CacheModule(nn.Module):
+    """Base of the modules: holds the cache, which copies of the module share."""
+
+    cache: CacheLike
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CacheModule:
+        # The table lives in the cache, and a cache (locks, an open store) cannot be copied:
+        # copy.deepcopy(model) (EMA, SWA) gives a module over the same cache, like a shared table.
+        memo[id(self.cache)] = self.cache
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+
+class CachedEmbedding(_CacheModule):
+    """Like ``torch.nn.Embedding``, with the table in an embedding cache (see the module docstring).
+
+    ``forward(input)`` takes an int64/int32 tensor of keys of any shape and returns float32
+    ``input.shape + (dim,)`` on the input's device.
+
+    Args:
+        cache: an :class:`~embcache.EmbeddingCache` or ``embcache.Client`` (anything :class:`CacheLike`).
+        table: the table's name.
+        padding_idx: a key whose output is a zero row and which is never looked up or updated;
+            None (default) for none.
+
+    Raises:
+        UnknownTableError: the cache has no table ``table``.
+        ConfigError: ``padding_idx`` is not None or an int64.
+        TypeError: ``cache`` lacks the cache methods.
+    """
+
+    def __init__(self, cache: CacheLike, table: str, padding_idx: int | None = None) -> None:
+        super().__init__()
+        _check_cache(cache)
+        self.cache = cache
+        self.table = table
+        self.embedding_dim = _table_config(cache, table).dim
+        self.padding_idx = _check_padding_idx(padding_idx)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Rows of ``input``'s keys: float32 ``input.shape + (dim,)`` on the input's device.
+
+        Args:
+            input: int64 or int32 keys, any shape (any int64 value is a key).
+
+        Raises:
+            TypeError: ``input`` is not a tensor.
+            InvalidKeysError: ``input`` is not int64 or int32.
+            The errors of the cache's ``lookup`` (nothing changed).
+        """
+        input = _check_index_tensor("input", input, "")
+        keys = input.reshape(-1).to(self.cache.device, torch.int64)
+        ukeys, inverse = _unique(keys, self.padding_idx)
+        fetch = _Fetch(self.cache, {self.table: ukeys}, {self.table: self.embedding_dim}, many=False)
+        (rows,) = _rows(fetch, self.training and torch.is_grad_enabled())
+        weight, pad = _with_padding_row(rows, self.padding_idx)
+        out = F.embedding(inverse, weight, padding_idx=pad)
+        return out.reshape(*input.shape, self.embedding_dim).to(input.device)
+
+    def extra_repr(self) -> str:
+        """The table, its dimension and the padding key."""
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"table={self.table!r}, embedding_dim={self.embedding_dim}{pad}"
+
+
+class CachedEmbeddingBag(_CacheModule):
+    """Like ``torch.nn.EmbeddingBag``, with the table in an embedding cache (see the module docstring).
+
+    ``forward(input, offsets=None, per_sample_weights=None)`` accepts what torch's does (1-D
+    input with offsets, 2-D input of fixed-size bags, ``include_last_offset``, per-sample weights
+    in mode "sum", empty bags giving zeros) and returns float32 [B, dim] on the input's device,
+    equal to torch's output for a table holding the cache's rows. The batch's keys are uniqued
+    once, looked up with one ``cache.lookup``, pooled by ``torch.nn.functional.embedding_bag``
+    and, in backward, updated with one ``cache.apply_gradients``.
+
+    Args:
+        cache: an :class:`~embcache.EmbeddingCache` or ``embcache.Client`` (anything :class:`CacheLike`).
+        table: the table's name.
+        mode: "sum", "mean" (default, as torch) or "max".
+        include_last_offset: ``offsets`` has B + 1 entries, the last one the end of the last bag
+            (torch's meaning); keys after it are ignored. Default False.
+        padding_idx: a key excluded from every bag (and from "mean"'s count), never looked up or
+            updated; None (default) for none. Unlike torch, a negative value is a key too.
+
+    Raises:
+        UnknownTableError: the cache has no table ``table``.
+        ConfigError: ``mode`` or ``padding_idx`` is not allowed.
+        TypeError: ``cache`` lacks the cache methods.
+    """
+
+    def __init__(self, cache: CacheLike, table: str, mode: str = "mean", include_last_offset: bool = False,
+                 padding_idx: int | None = None) -> None:
+        super().__init__()
+        _check_cache(cache)
+        self.cache = cache
+        self.table = table
+        self.embedding_dim = _table_config(cache, table).dim
+        self.mode = _check_mode(mode)
+        self.include_last_offset = bool(include_last_offset)
+        self.padding_idx = _check_padding_idx(padding_idx)
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled rows of each bag: float32 [B, dim] on the input's device.
+
+        Args:
+            input: int64/int32 keys: [n] with ``offsets``, or [B, L] (B bags of L keys) without.
+            offsets: int64/int32 [B] start of each bag in ``input`` ([B + 1] with
+                ``include_last_offset``); must start at 0, not decrease and not pass n.
+            per_sample_weights: floating, the shape of ``input``: each key's weight in its bag's
+                sum (mode "sum" only); differentiable.
+
+        Raises:
+            TypeError, InvalidKeysError, NotImplementedError: see the module docstring.
+            The errors of the cache's ``lookup`` (nothing changed).
+        """
+        bags = _canonical_bags(input, offsets, per_sample_weights, self.include_last_offset, self.mode,
+                               self.cache.device)
+        ukeys, inverse = _unique(bags.keys, self.padding_idx)
+        fetch = _Fetch(self.cache, {self.table: ukeys}, {self.table: self.embedding_dim}, many=False)
+        (rows,) = _rows(fetch, self.training and torch.is_grad_enabled())
+        return _pool(bags, inverse, rows, self.mode, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        """The table, its dimension and the pooling options."""
+        s = f"table={self.table!r}, embedding_dim={self.embedding_dim}, mode={self.mode!r}"
+        if self.include_last_offset:
+            s += ", include_last_offset=True"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        return s
+
+
+class CachedEmbeddingBagCollection(_CacheModule):
+    """Pooled embeddings of several features, one cache round trip per forward and per backward.
+
+    ``forward({feature: input})`` takes, per feature, a 2-D tensor of fixed-size bags,
+    ``(input, offsets)`` or ``(input, offsets, per_sample_weights)`` (as
+    :meth:`CachedEmbeddingBag.forward`), and returns ``{feature: float32 [B_f, dim]}`` in the
+    order of ``features``. The keys of all features on one table are merged and uniqued once;
+    all tables are looked up with one ``cache.lookup_many`` and, in backward, updated with one
+    ``cache.apply_gradients_many``. Features sharing a table thus get one optimizer step with
+    their summed gradient, as torch gives one ``nn.EmbeddingBag`` used for several inputs.
+
+    Args:
+        cache: an :class:`~embcache.EmbeddingCache` or ``embcache.Client`` (anything :class:`CacheLike`).
+        features: feature name -> table name (several features may share a table), or a
+            sequence of names that are both feature and table.
+        mode: "sum" (default, as torchrec), "mean" or "max", for every feature.
+        include_last_offset: every feature's offsets end with the end of its last bag. Default False.
+
+    Raises:
+        UnknownTableError: a table is not in the cache.
+        ConfigError: ``features`` is empty, repeats a name or is not a mapping of str to str;
+            ``mode`` is not allowed.
+        TypeError: ``cache`` lacks the cache methods.
+    """
+
+    def __init__(self, cache: CacheLike, features: Mapping[str, str] | Sequence[str], mode: str = "sum",
+                 include_last_offset: bool = False) -> None:
+        super().__init__()
+        _check_cache(cache)
+        if isinstance(features, Mapping):
+            mapping = dict(features)
+        elif isinstance(features, Sequence) and not isinstance(features, str):
+            mapping = {f: f for f in features}
+            if len(mapping) != len(features):
+                raise ConfigError(f"features must be unique, got {list(features)}")
+        else:
+            raise ConfigError(f"features must be a mapping feature -> table or a sequence of names, "
+                              f"got {type(features).__name__}")
+        if not mapping:
+            raise ConfigError("features must name at least one feature")
+        bad = [(f, t) for f, t in mapping.items() if not isinstance(f, str) or not isinstance(t, str)]
+        if bad:
+            raise ConfigError(f"feature and table names must be strings, got {bad[:4]}")
+        self.cache = cache
+        self.features: dict[str, str] = mapping
+        self.mode = _check_mode(mode)
+        self.include_last_offset = bool(include_last_offset)
+        self.table_dims = {t: _table_config(cache, t).dim for t in dict.fromkeys(mapping.values())}
+        self.embedding_dims = {f: self.table_dims[t] for f, t in mapping.items()}
+
+    def forward(self, batch: Mapping[str, FeatureInput]) -> dict[str, torch.Tensor]:
+        """Pooled rows of each feature's bags: ``{feature: float32 [B_f, dim]}`` on its input's device.
+
+        Args:
+            batch: every configured feature (and no other) -> a 2-D input, ``(input, offsets)`` or
+                ``(input, offsets, per_sample_weights)``.
+
+        Raises:
+            TypeError, InvalidKeysError, NotImplementedError: see the module docstring; messages
+                name the feature.
+            The errors of the cache's ``lookup_many`` (nothing changed).
+        """
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"batch must be a mapping feature -> input, got {type(batch).__name__}")
+        if set(batch) != set(self.features):
+            missing = sorted(set(self.features) - set(batch))
+            unknown = sorted(set(batch) - set(self.features), key=repr)
+            raise InvalidKeysError(f"batch features must be exactly {sorted(self.features)}; "
+                                   f"missing {missing}, unknown {unknown}")
+        device = self.cache.device
+        bags = {f: _canonical_bags(*_unpack(f, batch[f]), self.include_last_offset, self.mode, device,
+                                   prefix=f"feature {f!r}: ")
+                for f in self.features}
+        ukeys: dict[str, torch.Tensor] = {}
+        inverses: dict[str, torch.Tensor] = {}
+        for table in self.table_dims:
+            feats = [f for f, t in self.features.items() if t == table]
+            keys = [bags[f].keys for f in feats]
+            ukeys[table], inverse = torch.unique(torch.cat(keys) if len(keys) > 1 else keys[0], return_inverse=True)
+            inverses.update(zip(feats, inverse.split([k.numel() for k in keys]), strict=True))
+        fetch = _Fetch(self.cache, ukeys, self.table_dims, many=True)
+        rows = dict(zip(fetch.names, _rows(fetch, self.training and torch.is_grad_enabled()), strict=True))
+        return {f: _pool(bags[f], inverses[f], rows[t], self.mode) for f, t in self.features.items()}
+
+    def extra_repr(self) -> str:
+        """The features, their tables and the pooling mode."""
+        return f"features={self.features!r}, mode={self.mode!r}"
+
+
+def _unpack(feature: str, value: Any) -> tuple[Any, Any, Any]:
+    """(input, offsets, per_sample_weights) of one feature's batch entry."""
+    if isinstance(value, torch.Tensor):
+        return value, None, None
+    if isinstance(value, (tuple, list)) and len(value) in (2, 3):
+        return value[0], value[1], value[2] if len(value) == 3 else None
+    raise TypeError(f"feature {feature!r}: expected a 2-D tensor, (input, offsets) or "
+                    f"(input, offsets, per_sample_weights), got {type(value).__name__}")
