@@ -60,6 +60,7 @@ from .errors import (
 )
 from .init import init_rows
 from .keyset import Keyset, as_keysets
+from .metrics import LatencyHistogram
 from .mrc import MissRatioEstimator
 from .optim import OptimizerParams, apply_update, initial_state, state_width
 from .policy import Clock, FrequencySketch, Policy, make_policy
@@ -119,6 +120,8 @@ class _SsdStats:
     write_rows: int = 0
     write_bytes: int = 0
     seconds: float = 0.0
+    read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    write_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 @dataclass
@@ -130,6 +133,8 @@ class _TableStats:
     outside_keyset: int = 0
     prefetch_rows: int = 0
     prefetch_seconds: float = 0.0
+    passes: int = 0
+    pass_wait_seconds: float = 0.0
     hbm: _TierStats = field(default_factory=_TierStats)
     ddr: _TierStats = field(default_factory=_TierStats)
     ssd: _SsdStats = field(default_factory=_SsdStats)
@@ -646,7 +651,9 @@ class EmbeddingCache:
         st.reads += 1
         st.read_rows += int(found.sum())
         st.read_bytes += int(found.sum()) * t.record_bytes
-        st.seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        st.seconds += dt
+        st.read_latency.observe(dt)
         return np.asarray(found, dtype=bool), records
 
     def _write_store(self, t: _Table, rows: RowBatch) -> None:
@@ -662,7 +669,9 @@ class EmbeddingCache:
         st.writes += 1
         st.write_rows += len(rows)
         st.write_bytes += records.nbytes
-        st.seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        st.seconds += dt
+        st.write_latency.observe(dt)
 
     def _advance_clock(self, t: _Table, n: int) -> None:
         factor = t.clock.advance(n)
@@ -1037,6 +1046,7 @@ class EmbeddingCache:
                 ssd.read_rows += int(fmask.sum())
                 ssd.read_bytes += int(fmask.sum()) * t.record_bytes
                 ssd.seconds += read_seconds
+                ssd.read_latency.observe(read_seconds)
                 resident = self._resident(t, chunk)  # looked up or updated meanwhile: memory is authoritative
                 self._pin_for(fut, t, chunk[resident])
                 leased += int(resident.sum())
@@ -1095,6 +1105,7 @@ class EmbeddingCache:
                 raise PassStateError("a pass is already active; call end_pass() before begin_pass()")
             pending, self._prefetches = self._prefetches, []
         error: BaseException | None = None
+        wait_from = time.perf_counter()
         for f in pending:
             try:
                 f.result()
@@ -1102,6 +1113,7 @@ class EmbeddingCache:
                 pass
             except BaseException as exc:
                 error = error or exc
+        waited = time.perf_counter() - wait_from
         if error is not None:
             for f in pending:
                 f.release()
@@ -1117,6 +1129,8 @@ class EmbeddingCache:
             try:
                 for name, keyset in ks.items():
                     t = self._tables[name]
+                    t.stats.passes += 1
+                    t.stats.pass_wait_seconds += waited
                     t.pass_keyset = keyset
                     t.pass_pinned = self._begin_table(t, keyset)
                     report[name] = {"keyset_rows": len(keyset), "pinned_rows": int(t.pass_pinned.numel())}
@@ -1452,12 +1466,15 @@ class EmbeddingCache:
                         "pinned_rows": tier.pinned_count(), "seconds": ts.seconds,
                     }
                 ssd = dict(vars(s.ssd))
+                ssd["read_latency"] = s.ssd.read_latency.snapshot()
+                ssd["write_latency"] = s.ssd.write_latency.snapshot()
                 out[name] = {"lookups": s.lookups, "updates": s.updates, "assigns": s.assigns,
                              "placement_errors": s.placement_errors, **tiers, "ssd": ssd,
                              "pass": {"active": t.pass_keyset is not None,
                                       "keyset_rows": len(t.pass_keyset) if t.pass_keyset is not None else 0,
                                       "pinned_rows": int(t.pass_pinned.numel()),
-                                      "outside_keyset": s.outside_keyset},
+                                      "outside_keyset": s.outside_keyset,
+                                      "started": s.passes, "wait_seconds": s.pass_wait_seconds},
                              "prefetch": {"staged_rows": s.prefetch_rows, "seconds": s.prefetch_seconds},
                              "mrc": ({"sample_rate": t.mrc.rate, **t.mrc.hit_ratios()} if t.mrc is not None
                                      else None)}

@@ -1,9 +1,15 @@
 """Prometheus collectors for an :class:`~embcache.EmbeddingCache`.
 
 The collector reads :meth:`EmbeddingCache.stats` at scrape time, so it costs nothing between
-scrapes. Counters end in ``_total`` (the client library appends it), sizes are in bytes,
-times in seconds; labels are ``table`` and ``tier`` (``hbm``, ``ddr``, ``ssd``), a bounded set.
-Hit ratios are left to recording rules (``rate(hits) / rate(lookups)``), not exported as gauges.
+scrapes. Names follow Prometheus conventions: counters end in ``_total`` (the client library
+appends it), sizes are in ``_bytes``, times in ``_seconds``, ratios in ``_ratio`` (0..1); labels
+are ``table``, ``tier`` (``hbm``, ``ddr``, ``ssd``), ``op`` (``read``, ``write``) and
+``capacity_factor`` (five values), all bounded sets. Hit ratios are left to recording rules
+(``deploy/prometheus/rules/embcache.rules.yml``), not exported as gauges.
+
+Per tier, ``hits + misses`` is the key occurrences that reached the tier: all lookups for
+``hbm``, HBM's misses for ``ddr``, DDR's misses for ``ssd`` (whose misses are the rows created
+on first touch). So ``embcache_lookups_total`` = hbm hits + ddr hits + ssd hits + ssd misses.
 
     from prometheus_client import start_http_server
     register_metrics(cache)          # default registry
@@ -12,14 +18,22 @@ Hit ratios are left to recording rules (``rate(hits) / rate(lookups)``), not exp
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+import itertools
+import math
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["CacheCollector", "register_metrics"]
+__all__ = ["SSD_LATENCY_BUCKETS", "CacheCollector", "LatencyHistogram", "register_metrics"]
+
+# Upper bounds (seconds) of one batched store operation: a warm multi-get of a few rows takes
+# ~0.1 ms, a cold one of 65k rows ~1 s on this machine's disk.
+SSD_LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 _TIER_COUNTERS = (
     ("hits", "Key occurrences served by the tier (ssd: read from the store)"),
@@ -44,11 +58,51 @@ _SSD_COUNTERS = (
 )
 
 
+class LatencyHistogram:
+    """Counts of durations in fixed buckets, kept by the cache and exported as a Prometheus histogram.
+
+    Not thread-safe: the owner updates it under its own lock (the cache: the table's lock).
+
+    Args:
+        buckets: increasing upper bounds in seconds (default ``SSD_LATENCY_BUCKETS``); ``+Inf`` is implicit.
+
+    Raises:
+        ValueError: if ``buckets`` is empty, not increasing, or not finite and positive.
+    """
+
+    def __init__(self, buckets: Sequence[float] = SSD_LATENCY_BUCKETS) -> None:
+        bounds = [float(b) for b in buckets]
+        if not bounds or any(not (math.isfinite(b) and b > 0) for b in bounds) or \
+                any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"LatencyHistogram buckets={list(buckets)!r}: must be finite, positive and increasing")
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self._sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Count one duration.
+
+        Args:
+            seconds: the duration; it goes in the first bucket whose bound is >= it (Prometheus' ``le``).
+        """
+        self._counts[bisect.bisect_left(self._bounds, seconds)] += 1
+        self._sum += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-dict copy for ``stats()``: ``{"le": bounds, "counts": cumulative per bound, "count", "sum"}``."""
+        cumulative, total = [], 0
+        for c in self._counts[:-1]:
+            total += c
+            cumulative.append(total)
+        return {"le": list(self._bounds), "counts": cumulative, "count": total + self._counts[-1], "sum": self._sum}
+
+
 class CacheCollector(Collector):
     """Exports a cache's stats as Prometheus metrics (``embcache_*``).
 
     Args:
-        cache: anything with a ``stats()`` method shaped like EmbeddingCache's, and ``closed``.
+        cache: anything with a ``stats()`` method shaped like EmbeddingCache's, and ``closed``;
+            with a ``config.path`` (a directory), the free space of its filesystem is exported too.
     """
 
     def __init__(self, cache: Any) -> None:
@@ -67,37 +121,74 @@ class CacheCollector(Collector):
             ("lookups", "embcache_lookups", "Key occurrences looked up"),
             ("updates", "embcache_updated_keys", "Key occurrences in apply_gradients calls"),
             ("assigns", "embcache_assigned_keys", "Key occurrences in assign calls"),
+            ("placement_errors", "embcache_placement_errors",
+             "Lookups whose rows were served but not cached (a write-back failed, e.g. disk full)"),
         ]
         for field, name, doc in per_table:
             fam = CounterMetricFamily(name, doc, labels=["table"])
             for table, s in stats.items():
-                fam.add_metric([table], s[field])
+                fam.add_metric([table], s.get(field, 0))
             yield fam
-        for field, doc in _TIER_COUNTERS:
-            fam = CounterMetricFamily(f"embcache_tier_{field}", doc, labels=["table", "tier"])
-            for table, s in stats.items():
-                for tier in ("hbm", "ddr", "ssd"):
-                    if field in s[tier]:
-                        fam.add_metric([table, tier], s[tier][field])
-            yield fam
-        for field, doc in _TIER_GAUGES:
-            gauge = GaugeMetricFamily(f"embcache_tier_{field}", doc, labels=["table", "tier"])
-            for table, s in stats.items():
-                for tier in ("hbm", "ddr"):
-                    gauge.add_metric([table, tier], s[tier][field])
-            yield gauge
-        seconds = CounterMetricFamily("embcache_tier_busy_seconds", "Time spent serving from the tier",
-                                      labels=["table", "tier"])
-        for table, s in stats.items():
-            for tier in ("hbm", "ddr", "ssd"):
-                seconds.add_metric([table, tier], s[tier]["seconds"])
-        yield seconds
+        yield from _tier_metrics(stats)
         for field, name, doc in _SSD_COUNTERS:
             fam = CounterMetricFamily(name, doc, labels=["table"])
             for table, s in stats.items():
                 fam.add_metric([table], s["ssd"][field])
             yield fam
+        yield from _ssd_latency(stats)
         yield from _pass_metrics(stats)
+        yield from _mrc_metrics(stats)
+        yield from _filesystem_metrics(getattr(getattr(self._cache, "config", None), "path", None))
+
+
+def _tier_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Hits, misses, movements, occupancy and busy time per table and tier."""
+    for field, doc in _TIER_COUNTERS:
+        fam = CounterMetricFamily(f"embcache_tier_{field}", doc, labels=["table", "tier"])
+        for table, s in stats.items():
+            for tier in ("hbm", "ddr", "ssd"):
+                if field in s[tier]:
+                    fam.add_metric([table, tier], s[tier][field])
+        yield fam
+    misses = CounterMetricFamily("embcache_tier_misses",
+                                 "Key occurrences that reached the tier and were not found there "
+                                 "(ssd: rows created on first touch)", labels=["table", "tier"])
+    for table, s in stats.items():
+        # One stats() snapshot is taken under the table's lock, so these differences never go down.
+        hbm_misses = s["lookups"] - s["hbm"]["hits"]
+        misses.add_metric([table, "hbm"], hbm_misses)
+        misses.add_metric([table, "ddr"], hbm_misses - s["ddr"]["hits"])
+        misses.add_metric([table, "ssd"], s["ssd"]["created"])
+    yield misses
+    for field, doc in _TIER_GAUGES:
+        gauge = GaugeMetricFamily(f"embcache_tier_{field}", doc, labels=["table", "tier"])
+        for table, s in stats.items():
+            for tier in ("hbm", "ddr"):
+                gauge.add_metric([table, tier], s[tier][field])
+        yield gauge
+    seconds = CounterMetricFamily("embcache_tier_busy_seconds", "Time spent serving from the tier",
+                                  labels=["table", "tier"])
+    for table, s in stats.items():
+        for tier in ("hbm", "ddr", "ssd"):
+            seconds.add_metric([table, tier], s[tier]["seconds"])
+    yield seconds
+
+
+def _ssd_latency(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Duration of batched store operations, from ``stats()[t]["ssd"]["read_latency"|"write_latency"]``."""
+    fam = HistogramMetricFamily("embcache_ssd_op_duration_seconds", "Duration of one batched store operation",
+                                labels=["table", "op"])
+    found = False
+    for table, s in stats.items():
+        for op in ("read", "write"):
+            h = s["ssd"].get(f"{op}_latency")
+            if not h:
+                continue
+            found = True
+            buckets = [(f"{le:g}", n) for le, n in zip(h["le"], h["counts"], strict=True)] + [("+Inf", h["count"])]
+            fam.add_metric([table, op], buckets, h["sum"])
+    if found:
+        yield fam
 
 
 def _pass_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
@@ -116,6 +207,10 @@ def _pass_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                                  labels=["table"])
     seconds = CounterMetricFamily("embcache_prefetch_busy_seconds", "Time the prefetch worker spent staging",
                                   labels=["table"])
+    # Exported once the cache reports them (see deploy/README.md, "Metrics").
+    started = CounterMetricFamily("embcache_passes_started", "Passes begun (begin_pass calls)", labels=["table"])
+    waited = CounterMetricFamily("embcache_pass_wait_seconds",
+                                 "Time begin_pass waited for an unfinished prefetch", labels=["table"])
     for table, s in stats.items():
         for tier in ("hbm", "ddr"):
             pinned.add_metric([table, tier], s[tier].get("pinned_rows", 0))
@@ -124,10 +219,19 @@ def _pass_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         keyset.add_metric([table], p.get("keyset_rows", 0))
         pass_pinned.add_metric([table], p.get("pinned_rows", 0))
         outside.add_metric([table], p.get("outside_keyset", 0))
+        if "started" in p:
+            started.add_metric([table], p["started"])
+        if "wait_seconds" in p:
+            waited.add_metric([table], p["wait_seconds"])
         f = s.get("prefetch", {})
         staged.add_metric([table], f.get("staged_rows", 0))
         seconds.add_metric([table], f.get("seconds", 0.0))
     yield from (pinned, active, keyset, pass_pinned, outside, staged, seconds)
+    yield from (fam for fam in (started, waited) if fam.samples)
+
+
+def _mrc_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The online miss-ratio curve (:mod:`embcache.mrc`) and its sampling rate."""
     mrc = GaugeMetricFamily(
         "embcache_mrc_hit_ratio",
         "Estimated hit ratio at capacity_factor x the tier's capacity (online shadow caches, embcache.mrc); "
@@ -147,8 +251,28 @@ def _pass_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
     yield from (mrc, rate)
 
 
+def _filesystem_metrics(path: Any) -> Iterator[Metric]:
+    """Size and free space of the filesystem that holds the store (for the disk-full alert)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return
+    try:
+        st = os.statvfs(path)
+    except OSError:  # the path vanished or is unreadable: export nothing rather than fail the scrape
+        return
+    yield GaugeMetricFamily("embcache_store_filesystem_size_bytes", "Size of the filesystem holding the store",
+                            value=st.f_blocks * st.f_frsize)
+    # f_bavail: what an unprivileged writer (RocksDB, LMDB) can still use, as node_exporter's avail_bytes.
+    yield GaugeMetricFamily("embcache_store_filesystem_avail_bytes",
+                            "Bytes the store can still write on its filesystem", value=st.f_bavail * st.f_frsize)
+
+
 def register_metrics(cache: Any, registry: CollectorRegistry | None = None) -> CacheCollector:
-    """Register a :class:`CacheCollector` for ``cache`` on ``registry`` (default: the global one)."""
+    """Register a :class:`CacheCollector` for ``cache`` on ``registry`` (default: the global one).
+
+    Args:
+        cache: an :class:`~embcache.EmbeddingCache` (or anything with the same ``stats()``).
+        registry: where to register; None = prometheus_client's global ``REGISTRY``.
+    """
     collector = CacheCollector(cache)
     (registry if registry is not None else REGISTRY).register(collector)
     return collector

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import os
 import urllib.request
 from typing import Any
 
+import pytest
 import torch
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from embcache.metrics import register_metrics
+from embcache.metrics import LatencyHistogram, register_metrics
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -72,3 +75,72 @@ def test_metrics_match_stats_over_http(make_cache: Any) -> None:
     finally:
         server.shutdown()
         thread.join(timeout=5)
+
+
+def test_misses_complete_the_hits_and_the_store_disk_is_reported(make_cache: Any) -> None:
+    """hits + misses of a tier = occurrences that reached it; ssd misses = rows created; statvfs of the store."""
+    cache = make_cache(hbm_rows=4, ddr_rows=8)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        keys = (torch.rand(40, generator=gen) ** 3 * 60).long()  # skewed: some keys hot
+        cache.lookup("t", keys)
+        cache.apply_gradients("t", keys, torch.ones(40, 8))
+    registry = CollectorRegistry()
+    register_metrics(cache, registry)
+    m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+         for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    stats = cache.stats()["t"]
+
+    def get(name: str, tier: str) -> float:
+        return m[(f"embcache_tier_{name}_total", (("table", "t"), ("tier", tier)))]
+
+    assert get("hits", "hbm") + get("misses", "hbm") == stats["lookups"] == 1200
+    assert get("hits", "ddr") + get("misses", "ddr") == get("misses", "hbm")
+    assert get("hits", "ssd") + get("misses", "ssd") == get("misses", "ddr")
+    assert get("misses", "ssd") == stats["ssd"]["created"] > 0
+    assert min(get("hits", t) for t in ("hbm", "ddr", "ssd")) > 0  # every tier served some
+    vfs = os.statvfs(cache.config.path)
+    assert m[("embcache_store_filesystem_size_bytes", ())] == vfs.f_blocks * vfs.f_frsize
+    assert 0 < m[("embcache_store_filesystem_avail_bytes", ())] <= m[("embcache_store_filesystem_size_bytes", ())]
+
+
+def test_latency_histogram_buckets() -> None:
+    hist = LatencyHistogram((0.001, 0.01, 0.1))
+    assert hist.snapshot() == {"le": [0.001, 0.01, 0.1], "counts": [0, 0, 0], "count": 0, "sum": 0.0}
+    for seconds in (0.0005, 0.001, 0.002, 0.05, 3.0):  # a bound belongs to its bucket (le)
+        hist.observe(seconds)
+    snap = hist.snapshot()
+    assert snap["counts"] == [2, 3, 4] and snap["count"] == 5 and math.isclose(snap["sum"], 3.0535)
+    for bad in ((), (0.1, 0.01), (0.0, 1.0), (1.0, math.inf)):
+        with pytest.raises(ValueError, match="increasing"):
+            LatencyHistogram(bad)
+
+
+def test_latency_histograms_in_stats_are_exported(make_cache: Any) -> None:
+    """stats()[t]["ssd"]["read_latency"|"write_latency"] (LatencyHistogram snapshots) -> one histogram family."""
+    cache = make_cache()
+    cache.lookup("t", torch.arange(20))
+    read, write = LatencyHistogram((0.01, 1.0)), LatencyHistogram((0.01, 1.0))
+    read.observe(0.005)
+    read.observe(0.5)
+    write.observe(2.0)
+    stats = cache.stats()
+    stats["t"]["ssd"].update(read_latency=read.snapshot(), write_latency=write.snapshot())
+
+    class Snapshot:  # the real cache's stats with the histograms the timing hooks would add
+        closed = False
+
+        def stats(self) -> dict[str, Any]:
+            return stats
+
+    registry = CollectorRegistry()
+    register_metrics(Snapshot(), registry)
+    (family,) = [f for f in text_string_to_metric_families(generate_latest(registry).decode())
+                 if f.name == "embcache_ssd_op_duration_seconds"]
+    assert family.type == "histogram"
+    got = {(s.name, s.labels.get("op"), s.labels.get("le")): s.value for s in family.samples}
+    assert got[("embcache_ssd_op_duration_seconds_bucket", "read", "0.01")] == 1
+    assert got[("embcache_ssd_op_duration_seconds_bucket", "read", "1")] == 2
+    assert got[("embcache_ssd_op_duration_seconds_bucket", "write", "1")] == 0
+    assert got[("embcache_ssd_op_duration_seconds_count", "write", None)] == 1
+    assert got[("embcache_ssd_op_duration_seconds_sum", "read", None)] == pytest.approx(0.505)
