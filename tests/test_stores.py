@@ -267,6 +267,24 @@ def test_reopen_keeps_tables_and_data(kind: str, tmp_path: Path) -> None:
             s2.open_table("a", 10)
 
 
+def test_compact_keeps_every_row(kind: str, tmp_path: Path) -> None:
+    keys = np.arange(-3000, 3000, dtype=np.int64) * 7919
+    with open_store(kind, str(tmp_path / "db")) as s:
+        s.open_table("a", 6)
+        for part in np.array_split(keys, 6):  # several memtables' worth of separate writes
+            s.put_many("a", part, records_for(part, 6))
+            s.flush()
+        s.delete_many("a", keys[:10])
+        s.compact()
+        found, got = s.get_many("a", keys)
+        assert not found[:10].any() and found[10:].all()
+        np.testing.assert_array_equal(got[10:], records_for(keys[10:], 6))
+    s2 = open_store(kind, str(tmp_path / "db"))
+    s2.close()
+    with pytest.raises(StoreError, match="closed"):
+        s2.compact()
+
+
 def test_checkpoint_is_a_consistent_store(kind: str, tmp_path: Path) -> None:
     keys = np.arange(-400, 400, dtype=np.int64) * 104729
     with open_store(kind, str(tmp_path / "db")) as s:

@@ -491,6 +491,23 @@ class Store(abc.ABC):
         with self._guard("flush"):
             self._flush()
 
+    def compact(self) -> None:
+        """Reorganize the files for fast reads, e.g. after a bulk load (RocksDB: a full compaction; LMDB: nothing).
+
+        Measured here: right after writing 40M rows in 1M-row batches, RocksDB multi-gets ran
+        10x slower than after compacting (L0 files piled up faster than compaction on 2 cores).
+
+        Raises:
+            StoreError: the backend failed or the store is closed.
+        """
+        self._check_open()
+        with self._guard("compact"):
+            self._compact()
+
+    @abc.abstractmethod
+    def _compact(self) -> None:
+        """Backend compaction (may do nothing)."""
+
     def checkpoint(self, directory: str) -> None:
         """Write a consistent copy of the whole store (all tables and meta) into ``directory``.
 

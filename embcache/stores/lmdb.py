@@ -191,6 +191,9 @@ class LMDBStore(Store):
         # A new store's data file must also be reachable from its directory after a crash.
         fsync_dir(self.path)
 
+    def _compact(self) -> None:
+        pass  # a B+tree is always in its read-optimal shape; checkpoint(compact=True) defragments
+
     def _checkpoint(self, directory: str) -> None:
         # compact=True copies only live pages (the copy is also defragmented); the copy runs in
         # one read transaction, so it is consistent while writers continue.

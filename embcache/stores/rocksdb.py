@@ -223,6 +223,12 @@ class RocksDBStore(Store):
             assert self._db is not None
             self._db.flush_wal(True)
 
+    def _compact(self) -> None:
+        for cf in self._cfs.values():
+            cf.compact_range(None, None)
+        assert self._db is not None
+        self._db.compact_range(None, None)
+
     def _checkpoint(self, directory: str) -> None:
         assert self._db is not None
         # RocksDB creates the directory itself and refuses an existing one; the caller checked it is empty.
