@@ -778,12 +778,19 @@ class EmbeddingCache:
             NonFiniteGradientError (NaN/inf, unless ``reject_nonfinite=False``), BatchTooLargeError,
             CacheClosedError, StoreError (nothing changed).
         """
+        t, keys, grads = self._checked_gradients(table, keys, grads)
+        self._apply_checked(t, keys, grads)
+
+    def _checked_gradients(self, table: str, keys: Any, grads: Any) -> tuple[_Table, torch.Tensor, torch.Tensor]:
         t = self._table(table)
         keys = self._keys(keys)
         grads = self._rows_arg("gradients", grads, keys.numel(), t.cfg.dim, InvalidGradientError)
         if self._config.reject_nonfinite and not _all_finite(grads):
-            raise NonFiniteGradientError(
-                "gradients contain NaN or inf; nothing was applied (pass reject_nonfinite=False to allow)")
+            raise NonFiniteGradientError(f"gradients of table {table!r} contain NaN or inf; nothing was applied "
+                                         "(pass reject_nonfinite=False to allow)")
+        return t, keys, grads
+
+    def _apply_checked(self, t: _Table, keys: torch.Tensor, grads: torch.Tensor) -> None:
         if keys.numel() == 0:
             return
         ukeys, inverse = torch.unique(keys, return_inverse=True)
@@ -795,8 +802,18 @@ class EmbeddingCache:
             return apply_update(t.cfg.optimizer, t.params, weights.to(torch.float32), state, g)
 
         with t.lock:
-            self._table(table)
-            self._modify(t, ukeys, update)
+            self._table(t.cfg.name)
+            hslots = t.hbm.find(ukeys)
+            if t.hbm.capacity and bool((hslots >= 0).all()):
+                # every row in HBM (a pass's steady state): update in place, nothing to stage or place
+                hbm = t.hbm
+                w = hbm.weights.index_select(0, hslots).to(torch.float32)
+                new_w, new_s = apply_update(t.cfg.optimizer, t.params, w, hbm.state.index_select(0, hslots), gsum)
+                hbm.weights.index_copy_(0, hslots, new_w.to(hbm.weights.dtype))
+                hbm.state.index_copy_(0, hslots, new_s)
+                hbm.dirty.index_fill_(0, hslots, True)
+            else:
+                self._modify(t, ukeys, update, hslots=hslots)
             t.stats.updates += keys.numel()
 
     def apply_gradients_many(self, updates: Mapping[str, tuple[Any, torch.Tensor]]) -> None:
@@ -807,17 +824,9 @@ class EmbeddingCache:
         Raises:
             The errors of :meth:`apply_gradients`.
         """
-        checked = {}
-        for name, (k, g) in updates.items():
-            t = self._table(name)
-            k = self._keys(k)
-            g = self._rows_arg("gradients", g, k.numel(), t.cfg.dim, InvalidGradientError)
-            if self._config.reject_nonfinite and not _all_finite(g):
-                raise NonFiniteGradientError(
-                    f"gradients of table {name!r} contain NaN or inf; nothing was applied")
-            checked[name] = (k, g)
-        for name, (k, g) in checked.items():
-            self.apply_gradients(name, k, g)
+        checked = [self._checked_gradients(name, k, g) for name, (k, g) in updates.items()]
+        for t, k, g in checked:
+            self._apply_checked(t, k, g)
 
     def assign(self, table: str, keys: Any, rows: torch.Tensor) -> None:
         """Overwrite the rows of ``keys`` and reset their optimizer state; the last duplicate wins.
@@ -854,13 +863,15 @@ class EmbeddingCache:
             self._modify(t, ukeys, overwrite, read_store=False)
             t.stats.assigns += keys.numel()
 
-    def _modify(self, t: _Table, ukeys: torch.Tensor, fn: Any, read_store: bool = True) -> None:
+    def _modify(self, t: _Table, ukeys: torch.Tensor, fn: Any, read_store: bool = True,
+                hslots: torch.Tensor | None = None) -> None:
         """Replace rows of unique ``ukeys`` by ``fn(weights, state, index) -> (weights, state)``.
 
         Resident rows change in place; the rest are staged (read or created), changed and placed.
         On a store failure the resident rows are restored and the error re-raised.
         """
-        hslots = t.hbm.find(ukeys)
+        if hslots is None:
+            hslots = t.hbm.find(ukeys)
         in_h = hslots >= 0
         h_idx = torch.nonzero(in_h).flatten()
         h_slots = hslots[h_idx]
