@@ -6,6 +6,7 @@
 
 from . import nn
 from .cache import EmbeddingCache
+from .client import Client
 from .config import CacheConfig, TableConfig
 from .errors import (
     BatchTooLargeError,
@@ -35,6 +36,7 @@ __all__ = [
     "CacheClosedError",
     "CacheConfig",
     "CheckpointExistsError",
+    "Client",
     "ConfigError",
     "EmbcacheError",
     "EmbeddingCache",

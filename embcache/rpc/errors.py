@@ -1,0 +1,164 @@
+"""One table from embcache errors to gRPC status codes, and back.
+
+The server turns a typed error into a status code plus the trailing metadata entry
+``embcache-error-type: <class name>``; the client turns that back into the same type, so code
+written against the embedded :class:`~embcache.EmbeddingCache` catches the same exceptions.
+Statuses that have no library error (the server unreachable, a deadline, authentication) become
+the :class:`RemoteError` subclasses below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+
+from .. import errors as _errors
+from ..errors import (
+    BatchTooLargeError,
+    CacheClosedError,
+    CheckpointExistsError,
+    ConfigError,
+    EmbcacheError,
+    InvalidGradientError,
+    InvalidKeysError,
+    InvalidRowsError,
+    NonFiniteGradientError,
+    PassStateError,
+    StoreError,
+    StoreFullError,
+    StoreLockedError,
+    TableConflictError,
+    UnknownTableError,
+)
+
+__all__ = [
+    "ERROR_STATUS",
+    "ERROR_TYPE_KEY",
+    "NOT_APPLIED_KEY",
+    "DeadlineExceededError",
+    "PermissionDeniedError",
+    "RemoteError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "error_from_rpc",
+    "not_applied",
+    "status_of",
+]
+
+#: Trailing metadata key naming the embcache error type of a failed call.
+ERROR_TYPE_KEY = "embcache-error-type"
+#: Trailing metadata key set ("1") when the request was refused before it had any effect.
+NOT_APPLIED_KEY = "embcache-not-applied"
+
+
+class RemoteError(EmbcacheError, RuntimeError):
+    """A call to an embcache server failed with a status that has no library error type.
+
+    Attributes:
+        code: the gRPC status code.
+        address: the server (``host:port``) that answered, when known.
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN, address: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.address = address
+
+
+class UnavailableError(RemoteError):
+    """The server could not be reached, or is shutting down (UNAVAILABLE), after the allowed retries.
+
+    For a write (apply_gradients, assign) this means the update may or may not have been
+    applied, unless the server said it was refused before it ran (then it was not).
+    """
+
+
+class DeadlineExceededError(RemoteError):
+    """The call's deadline passed before the server answered (DEADLINE_EXCEEDED)."""
+
+
+class UnauthenticatedError(RemoteError):
+    """The server requires a bearer token (or a client certificate) and got none or a wrong one."""
+
+
+class PermissionDeniedError(RemoteError):
+    """The credentials are valid but not allowed this call (e.g. a read-only token writing)."""
+
+
+# The one table: error type -> status code. The most specific type wins (looked up along the MRO).
+ERROR_STATUS: dict[type[BaseException], grpc.StatusCode] = {
+    UnknownTableError: grpc.StatusCode.NOT_FOUND,
+    InvalidKeysError: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidRowsError: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidGradientError: grpc.StatusCode.INVALID_ARGUMENT,
+    NonFiniteGradientError: grpc.StatusCode.INVALID_ARGUMENT,
+    ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    BatchTooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StoreFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TableConflictError: grpc.StatusCode.ALREADY_EXISTS,
+    CheckpointExistsError: grpc.StatusCode.ALREADY_EXISTS,
+    PassStateError: grpc.StatusCode.FAILED_PRECONDITION,
+    CacheClosedError: grpc.StatusCode.UNAVAILABLE,
+    StoreLockedError: grpc.StatusCode.FAILED_PRECONDITION,
+    StoreError: grpc.StatusCode.INTERNAL,
+    EmbcacheError: grpc.StatusCode.INTERNAL,
+}
+
+# Status codes without an embcache type name (e.g. from gRPC itself) -> the client's error type.
+_BY_CODE: dict[grpc.StatusCode, type[EmbcacheError]] = {
+    grpc.StatusCode.NOT_FOUND: UnknownTableError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: BatchTooLargeError,  # over the server's message size limit
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+}
+
+_REMOTE_TYPES: dict[str, type[EmbcacheError]] = {
+    t.__name__: t for t in (RemoteError, UnavailableError, DeadlineExceededError, UnauthenticatedError,
+                            PermissionDeniedError)
+}
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and error type name of ``exc`` (INTERNAL and its class name when unmapped)."""
+    for cls in type(exc).__mro__:
+        code = ERROR_STATUS.get(cls)
+        if code is not None:
+            return code, type(exc).__name__
+    return grpc.StatusCode.INTERNAL, type(exc).__name__
+
+
+def _error_type(name: str) -> type[EmbcacheError] | None:
+    cls = getattr(_errors, name, None) if name in _errors.__all__ else _REMOTE_TYPES.get(name)
+    return cls if isinstance(cls, type) and issubclass(cls, EmbcacheError) else None
+
+
+def _metadata(pairs: Iterable[Any] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in pairs or ():
+        key, value = item[0], item[1]
+        out[str(key)] = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return out
+
+
+def error_from_rpc(err: grpc.RpcError, address: str = "") -> EmbcacheError:
+    """The embcache error a failed call stands for: the type the server named, else one chosen by status code."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(code)
+    meta = _metadata(err.trailing_metadata() if hasattr(err, "trailing_metadata") else None)
+    cls = _error_type(meta.get(ERROR_TYPE_KEY, "")) or _BY_CODE.get(code, RemoteError)
+    where = f" (server {address})" if address else ""
+    if issubclass(cls, RemoteError):
+        return cls(f"{code.name}: {details}{where}", code, address)
+    exc = cls(details)
+    exc.address = address  # type: ignore[attr-defined]  # which shard refused, for the curious
+    return exc
+
+
+def not_applied(err: grpc.RpcError) -> bool:
+    """True when the server marked the failed call as refused before it had any effect (safe to resend)."""
+    meta = _metadata(err.trailing_metadata() if hasattr(err, "trailing_metadata") else None)
+    return meta.get(NOT_APPLIED_KEY) == "1"

@@ -1,0 +1,253 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TableConfig(_message.Message):
+    __slots__ = ("name", "dim", "optimizer", "lr", "eps", "beta1", "beta2", "weight_decay", "initial_accumulator_value", "initializer", "init_scale", "seed", "dtype", "memory_share")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    optimizer: str
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    initial_accumulator_value: float
+    initializer: str
+    init_scale: float
+    seed: int
+    dtype: str
+    memory_share: float
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_share: _Optional[float] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REJECT_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEND_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    max_batch_keys: int
+    reject_nonfinite: bool
+    max_receive_message_bytes: int
+    max_send_message_bytes: int
+    device: str
+    durability: str
+    def __init__(self, version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., reject_nonfinite: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., max_send_message_bytes: _Optional[int] = ..., device: _Optional[str] = ..., durability: _Optional[str] = ...) -> None: ...
+
+class TableKeys(_message.Message):
+    __slots__ = ("table", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: Tensor
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class TableRows(_message.Message):
+    __slots__ = ("table", "rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    rows: Tensor
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class TableValues(_message.Message):
+    __slots__ = ("table", "keys", "values")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: Tensor
+    values: Tensor
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class TableKeyset(_message.Message):
+    __slots__ = ("table", "keys", "counts")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: Tensor
+    counts: Tensor
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., counts: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: TableConfig
+    def __init__(self, table: _Optional[_Union[TableConfig, _Mapping]] = ...) -> None: ...
+
+class CreateTableResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class ListTablesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesResponse(_message.Message):
+    __slots__ = ("tables", "server")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableConfig]
+    server: ServerInfo
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableConfig, _Mapping]]] = ..., server: _Optional[_Union[ServerInfo, _Mapping]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableKeys]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+
+class ApplyGradientsRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableValues]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableValues, _Mapping]]] = ...) -> None: ...
+
+class ApplyGradientsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AssignRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableValues]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableValues, _Mapping]]] = ...) -> None: ...
+
+class AssignResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("keysets", "wait")
+    KEYSETS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    keysets: _containers.RepeatedCompositeFieldContainer[TableKeyset]
+    wait: bool
+    def __init__(self, keysets: _Optional[_Iterable[_Union[TableKeyset, _Mapping]]] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class PrefetchTableResult(_message.Message):
+    __slots__ = ("table", "staged_rows", "leased_rows", "seconds")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    STAGED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    staged_rows: int
+    leased_rows: int
+    seconds: float
+    def __init__(self, table: _Optional[str] = ..., staged_rows: _Optional[int] = ..., leased_rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("done", "tables")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    tables: _containers.RepeatedCompositeFieldContainer[PrefetchTableResult]
+    def __init__(self, done: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[PrefetchTableResult, _Mapping]]] = ...) -> None: ...
+
+class BeginPassRequest(_message.Message):
+    __slots__ = ("keysets",)
+    KEYSETS_FIELD_NUMBER: _ClassVar[int]
+    keysets: _containers.RepeatedCompositeFieldContainer[TableKeyset]
+    def __init__(self, keysets: _Optional[_Iterable[_Union[TableKeyset, _Mapping]]] = ...) -> None: ...
+
+class PassTableReport(_message.Message):
+    __slots__ = ("table", "keyset_rows", "pinned_rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYSET_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keyset_rows: int
+    pinned_rows: int
+    def __init__(self, table: _Optional[str] = ..., keyset_rows: _Optional[int] = ..., pinned_rows: _Optional[int] = ...) -> None: ...
+
+class BeginPassResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[PassTableReport]
+    def __init__(self, tables: _Optional[_Iterable[_Union[PassTableReport, _Mapping]]] = ...) -> None: ...
+
+class EndPassRequest(_message.Message):
+    __slots__ = ("wait",)
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    wait: bool
+    def __init__(self, wait: _Optional[bool] = ...) -> None: ...
+
+class EndPassResponse(_message.Message):
+    __slots__ = ("done", "written_rows")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    written_rows: int
+    def __init__(self, done: _Optional[bool] = ..., written_rows: _Optional[int] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

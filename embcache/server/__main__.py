@@ -1,0 +1,7 @@
+"""``python -m embcache.server`` runs ``embcache-server``."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

@@ -1,0 +1,530 @@
+"""embcache-server: serve an embedding cache over gRPC.
+
+    embcache-server --path ./embcache-data        # defaults: 127.0.0.1:50051, tiers sized from the machine
+    embcache-server --config server.toml --listen 0.0.0.0:50051 --metrics-port 9400
+
+The server holds one :class:`~embcache.EmbeddingCache` (store under ``--path``) and serves
+``embcache.rpc.v1.EmbeddingCacheService``, the standard gRPC health service and server
+reflection. Tables come from the config file (``[[tables]]``), from ``--table``, or from clients
+(CreateTable); every table persists with the store, so a restart on the same ``--path`` serves
+them again with their rows. Prometheus metrics (the cache's own and
+``embcache_rpc_request_duration_seconds{method,code}``) are served on
+``http://METRICS_HOST:METRICS_PORT/metrics``.
+
+Durability (what an acknowledged write survives):
+  default                     Updates live in memory (HBM/DDR) and in the store only once written
+                              back. A clean stop (SIGTERM/SIGINT) flushes them all. A crash
+                              (kill -9, power loss) keeps what the last Flush or Checkpoint call,
+                              or a row's eviction, wrote; later acknowledged updates may be lost.
+  --flush-every-updates N     The write request that completes every N-th write request flushes
+                              before it is acknowledged: after a crash at most the N-1 most recent
+                              acknowledged write requests are lost.
+  --flush-interval-seconds S  A background thread flushes every S seconds when anything was
+                              written: a crash loses at most the updates acknowledged in the last
+                              S seconds (plus the time one flush takes).
+  --sync                      Every write request is flushed before it is acknowledged: a crash
+                              loses no acknowledged update (each write pays a flush and a synced
+                              WAL write). If that flush fails the call fails, with the update
+                              applied in memory but not yet durable.
+  A flush writes every dirty row and syncs the store (RocksDB WAL synced, LMDB env.sync), so
+  what it covers survives kill -9 and power loss.
+
+Shutdown (SIGTERM or SIGINT): the health service turns NOT_SERVING, new calls are refused with
+UNAVAILABLE (marked not applied, so clients may resend them) for --drain-seconds, calls in
+flight finish (up to --grace-seconds), then every dirty row is flushed and the store closed.
+
+Security: TLS with --tls-cert/--tls-key; mutual TLS adds --tls-client-ca (clients must present a
+certificate signed by it). --auth-token-file requires ``authorization: Bearer <token>`` on every
+cache call (missing or wrong: UNAUTHENTICATED); tokens in --auth-readonly-token-file may only
+call ListTables, Lookup and Stats (others: PERMISSION_DENIED). Health and reflection stay open
+for probes. Token files hold one token per line; EMBCACHE_AUTH_TOKEN adds a read-write token.
+
+Config file (TOML, or JSON when the name ends in .json); flags override it:
+
+    listen = "127.0.0.1:50051"
+    metrics_port = 9400                # -1: no metrics server; 0: a free port
+    max_message_bytes = 67108864       # per message, both directions
+    [cache]                            # embcache.CacheConfig fields
+    path = "./embcache-data"
+    hbm_bytes = 1073741824
+    [durability]
+    flush_interval_seconds = 5
+    [tls]
+    cert = "server.pem"
+    key = "server.key"
+    [auth]
+    token_file = "tokens.txt"
+    [[tables]]                         # embcache.TableConfig fields
+    name = "user"
+    dim = 64
+    optimizer = "rowwise_adagrad"
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .. import __version__
+from ..cache import EmbeddingCache
+from ..config import CacheConfig, TableConfig
+from ..errors import ConfigError
+from ..rpc.v1 import embcache_pb2 as pb
+from .servicer import SERVICE_NAME, WRITE_METHODS, Durability, EmbeddingCacheServicer, add_to_server
+
+__all__ = ["RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
+
+log = logging.getLogger("embcache.server")
+
+_METHOD_PREFIX = f"/{SERVICE_NAME}/"
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class ServerSettings:
+    """Everything the server needs; built from the config file and flags by :func:`load_settings`.
+
+    Args:
+        listen: ``HOST:PORT`` to bind (port 0: a free port).
+        cache: keyword arguments of :class:`~embcache.CacheConfig` (``path``, ``hbm_bytes``, ...).
+        tables: tables to open or create at start.
+        metrics_port: Prometheus HTTP port (-1: none, 0: a free port).
+        metrics_host: address of the metrics server (default 127.0.0.1).
+        max_message_bytes: largest message in either direction (default 64 MiB).
+        workers: threads serving calls (default 4 per core, at least 8).
+        torch_threads: torch's intra-op threads (0: torch's default, one per core). Concurrent
+            calls already use the cores; 1 avoids threads waiting on each other on a busy machine.
+        checkpoint_root: Checkpoint writes only under here (default ``<path>/checkpoints``).
+        flush_every_updates, flush_interval_seconds, sync: durability (see the module docs).
+        grace_seconds: how long shutdown waits for calls in flight.
+        drain_seconds: how long shutdown stays NOT_SERVING, refusing new calls, before it stops
+            listening (time for load balancers and clients to notice; default 0).
+        tls_cert, tls_key, tls_client_ca: PEM files (TLS; with a client CA, mutual TLS).
+        auth_token_files, auth_readonly_token_files: files of bearer tokens, one per line.
+        port_file: a JSON file written once serving: ``{"port", "metrics_port", "pid"}``.
+    """
+
+    listen: str = "127.0.0.1:50051"
+    cache: dict[str, Any] = field(default_factory=dict)
+    tables: list[TableConfig] = field(default_factory=list)
+    metrics_port: int = 9400
+    metrics_host: str = "127.0.0.1"
+    max_message_bytes: int = 64 << 20
+    workers: int = 0
+    torch_threads: int = 0
+    checkpoint_root: str | None = None
+    flush_every_updates: int = 0
+    flush_interval_seconds: float = 0.0
+    sync: bool = False
+    grace_seconds: float = 30.0
+    drain_seconds: float = 0.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_token_files: list[str] = field(default_factory=list)
+    auth_readonly_token_files: list[str] = field(default_factory=list)
+    port_file: str | None = None
+
+    def cache_config(self) -> CacheConfig:
+        """The CacheConfig to open (``path`` defaults to ./embcache-data).
+
+        Raises:
+            ConfigError: an unknown or invalid field.
+        """
+        names = {f.name for f in dataclasses.fields(CacheConfig)}
+        unknown = set(self.cache) - names
+        if unknown:
+            raise ConfigError(f"unknown [cache] fields {sorted(unknown)}; allowed: {sorted(names)}")
+        return CacheConfig(**self.cache)
+
+
+# ---------------------------------------------------------------------- config file and flags
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path!r}: {exc}") from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(raw)
+        else:
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover - Python 3.10
+                import tomli as tomllib
+            data = tomllib.loads(raw.decode())
+    except ValueError as exc:
+        raise ConfigError(f"config file {path!r} is not valid {'JSON' if path.endswith('.json') else 'TOML'}: "
+                          f"{exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a table/object at the top level")
+    return data
+
+
+_TOP_KEYS = {"listen", "metrics_port", "metrics_host", "max_message_bytes", "workers", "torch_threads",
+             "checkpoint_root",
+             "grace_seconds", "drain_seconds", "port_file", "cache", "tables", "durability", "tls", "auth"}
+_SECTION_KEYS = {
+    "durability": {"flush_every_updates", "flush_interval_seconds", "sync"},
+    "tls": {"cert", "key", "client_ca"},
+    "auth": {"token_file", "readonly_token_file"},
+}
+
+
+def _settings_from_dict(data: Mapping[str, Any]) -> ServerSettings:
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(f"unknown config keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    for section, keys in _SECTION_KEYS.items():
+        extra = set(data.get(section, {})) - keys
+        if extra:
+            raise ConfigError(f"unknown [{section}] keys {sorted(extra)}; allowed: {sorted(keys)}")
+    s = ServerSettings()
+    for key in ("listen", "metrics_port", "metrics_host", "max_message_bytes", "workers", "torch_threads",
+                "checkpoint_root",
+                "grace_seconds", "drain_seconds", "port_file"):
+        if key in data:
+            setattr(s, key, data[key])
+    s.cache = dict(data.get("cache", {}))
+    s.tables = [TableConfig.from_dict(t) for t in data.get("tables", [])]
+    for key, value in data.get("durability", {}).items():
+        setattr(s, key, value)
+    tls = data.get("tls", {})
+    s.tls_cert, s.tls_key, s.tls_client_ca = tls.get("cert"), tls.get("key"), tls.get("client_ca")
+    auth = data.get("auth", {})
+    s.auth_token_files = [auth["token_file"]] if "token_file" in auth else []
+    s.auth_readonly_token_files = [auth["readonly_token_file"]] if "readonly_token_file" in auth else []
+    return s
+
+
+def _parse_table(spec: str) -> TableConfig:
+    """``name=user,dim=64,optimizer=adagrad`` -> TableConfig (values typed by the dataclass fields)."""
+    types = {f.name: f.type for f in dataclasses.fields(TableConfig)}
+    kwargs: dict[str, Any] = {}
+    for part in filter(None, spec.split(",")):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in types:
+            raise ConfigError(f"--table {spec!r}: expected key=value pairs with keys from {sorted(types)}")
+        t = str(types[key])
+        kwargs[key] = int(value) if t.startswith("int") else float(value) if t.startswith("float") else value
+    return TableConfig(**kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (flags override the config file)."""
+    p = argparse.ArgumentParser(prog="embcache-server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="TOML or JSON config file")
+    p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051; port 0 picks a free port)")
+    p.add_argument("--path", help="store directory (default ./embcache-data)")
+    p.add_argument("--store", choices=["rocksdb", "lmdb"], help="cold-tier store (default rocksdb)")
+    p.add_argument("--hbm-bytes", type=int, help="hot tier bytes (default: 1/8 of the device memory, at most 4 GiB)")
+    p.add_argument("--ddr-bytes", type=int, help="warm tier bytes (default: 1/8 of RAM, at most 8 GiB)")
+    p.add_argument("--device", help="device of the hot tier (default cuda if available, else cpu)")
+    p.add_argument("--max-batch-keys", type=int, help="largest batch per table per call (default 2**24)")
+    p.add_argument("--table", action="append", default=[], metavar="SPEC",
+                   help="a table to open or create, e.g. name=user,dim=64,optimizer=adagrad,lr=0.05 (repeatable)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9400; 0 = free port, -1 = none)")
+    p.add_argument("--metrics-host", help="Prometheus bind address (default 127.0.0.1)")
+    p.add_argument("--max-message-bytes", type=int, help="largest message either way (default 64 MiB)")
+    p.add_argument("--workers", type=int, help="threads serving calls (default max(8, 4 x cores))")
+    p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
+    p.add_argument("--checkpoint-root", help="Checkpoint writes only under this directory (default PATH/checkpoints)")
+    p.add_argument("--flush-every-updates", type=int, metavar="N", help="flush before acknowledging every N-th write")
+    p.add_argument("--flush-interval-seconds", type=float, metavar="S", help="flush every S seconds in the background")
+    p.add_argument("--sync", action="store_true", default=None, help="flush every write before acknowledging it")
+    p.add_argument("--grace-seconds", type=float, help="shutdown waits this long for calls in flight (default 30)")
+    p.add_argument("--drain-seconds", type=float,
+                   help="shutdown refuses new calls (NOT_SERVING) this long before it stops listening (default 0)")
+    p.add_argument("--tls-cert", help="server certificate chain (PEM); enables TLS")
+    p.add_argument("--tls-key", help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", help="CA (PEM) that client certificates must be signed by (mutual TLS)")
+    p.add_argument("--auth-token-file", action="append", default=[], help="file of read-write bearer tokens")
+    p.add_argument("--auth-readonly-token-file", action="append", default=[], help="file of read-only bearer tokens")
+    p.add_argument("--port-file", help="write {port, metrics_port, pid} as JSON here once serving")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return p
+
+
+def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, argparse.Namespace]:
+    """Settings from ``--config`` (if any) overridden by flags.
+
+    Raises:
+        ConfigError: the config file or a flag is invalid.
+    """
+    args = build_parser().parse_args(argv)
+    s = _settings_from_dict(_read_config(args.config)) if args.config else ServerSettings()
+    overrides = {"listen": args.listen, "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
+                 "max_message_bytes": args.max_message_bytes, "workers": args.workers,
+                 "torch_threads": args.torch_threads,
+                 "checkpoint_root": args.checkpoint_root, "flush_every_updates": args.flush_every_updates,
+                 "flush_interval_seconds": args.flush_interval_seconds, "sync": args.sync,
+                 "grace_seconds": args.grace_seconds, "drain_seconds": args.drain_seconds,
+                 "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+                 "tls_client_ca": args.tls_client_ca, "port_file": args.port_file}
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(s, key, value)
+    for key, value in (("path", args.path), ("store", args.store), ("hbm_bytes", args.hbm_bytes),
+                       ("ddr_bytes", args.ddr_bytes), ("device", args.device),
+                       ("max_batch_keys", args.max_batch_keys)):
+        if value is not None:
+            s.cache[key] = value
+    s.auth_token_files += args.auth_token_file
+    s.auth_readonly_token_files += args.auth_readonly_token_file
+    given = {t.name: t for t in s.tables}
+    for spec in args.table:
+        t = _parse_table(spec)
+        given[t.name] = t
+    s.tables = list(given.values())
+    if bool(s.tls_cert) != bool(s.tls_key):
+        raise ConfigError("TLS needs both --tls-cert and --tls-key")
+    if s.tls_client_ca and not s.tls_cert:
+        raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    if s.max_message_bytes < 1 << 16:
+        raise ConfigError(f"max_message_bytes={s.max_message_bytes}: must be at least 65536")
+    return s, args
+
+
+# ---------------------------------------------------------------------- auth
+def _read_tokens(paths: Sequence[str]) -> set[str]:
+    tokens: set[str] = set()
+    for path in paths:
+        try:
+            with open(path) as f:
+                tokens.update(line.strip() for line in f if line.strip())
+        except OSError as exc:
+            raise ConfigError(f"cannot read token file {path!r}: {exc}") from None
+    return tokens
+
+
+def _matches(token: str, tokens: set[str]) -> bool:
+    import hmac
+    found = False
+    for t in tokens:  # compare with every token, in constant time each
+        found |= hmac.compare_digest(token.encode(), t.encode())
+    return found
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+    """Checks ``authorization: Bearer <token>`` on cache calls; health and reflection stay open."""
+
+    def __init__(self, rw: set[str], ro: set[str], observe: Callable[[str, str, float], None]) -> None:
+        self._rw, self._ro, self._observe = rw, ro, observe
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        method = details.method
+        if not method.startswith(_METHOD_PREFIX):
+            return continuation(details)
+        name = method[len(_METHOD_PREFIX):]
+        header = dict(details.invocation_metadata or ()).get("authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if token and _matches(token, self._rw):
+            return continuation(details)
+        if token and _matches(token, self._ro):
+            if name not in WRITE_METHODS:
+                return continuation(details)
+            return self._refuse(continuation(details), name, grpc.StatusCode.PERMISSION_DENIED,
+                                f"{name} needs a read-write token; this token may only call ListTables, Lookup, Stats")
+        why = "a wrong bearer token" if token else "no bearer token (metadata 'authorization: Bearer <token>')"
+        return self._refuse(continuation(details), name, grpc.StatusCode.UNAUTHENTICATED,
+                            f"{name} refused: {why}")
+
+    def _refuse(self, handler: Any, name: str, code: grpc.StatusCode, message: str) -> Any:
+        def abort(request: Any, context: grpc.ServicerContext) -> Any:
+            self._observe(name, code.name, 0.0)
+            context.abort(code, message)
+
+        if handler is None:
+            return None
+        kind = (handler.request_streaming, handler.response_streaming)
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}
+        return make[kind](abort, request_deserializer=handler.request_deserializer,
+                          response_serializer=handler.response_serializer)
+
+
+# ---------------------------------------------------------------------- the server
+@dataclass
+class RunningServer:
+    """A started server; :meth:`shutdown` stops it gracefully."""
+
+    server: grpc.Server
+    cache: EmbeddingCache
+    servicer: EmbeddingCacheServicer
+    health: health.HealthServicer
+    durability: Durability
+    port: int
+    metrics_port: int
+    grace_seconds: float
+    drain_seconds: float = 0.0
+    _metrics_httpd: Any = None
+    _stopped: bool = False
+
+    def shutdown(self) -> None:
+        """NOT_SERVING, refuse new calls, let calls in flight finish, flush and close. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.health.enter_graceful_shutdown()
+        self.servicer.begin_shutdown()
+        if self.drain_seconds > 0:
+            time.sleep(self.drain_seconds)
+        self.server.stop(self.grace_seconds).wait()
+        self.durability.stop()
+        self.cache.close()
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+
+
+def _credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
+    if not s.tls_cert:
+        return None
+
+    def read(path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read TLS file {path!r}: {exc}") from None
+
+    assert s.tls_key is not None
+    ca = read(s.tls_client_ca) if s.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read(s.tls_key), read(s.tls_cert))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def start_server(s: ServerSettings) -> RunningServer:
+    """Open the cache and start serving (returns once the port is bound and health is SERVING).
+
+    Raises:
+        ConfigError, TableConflictError, StoreLockedError, StoreError: the cache could not be opened.
+        RuntimeError: the address could not be bound.
+    """
+    from prometheus_client import CollectorRegistry, Histogram, start_http_server
+
+    from ..metrics import register_metrics
+
+    # The servicer hands the library read-only tensors over request bytes; the cache never writes its inputs.
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    config = s.cache_config()
+    if s.torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(s.torch_threads)
+    rw = _read_tokens(s.auth_token_files)
+    ro = _read_tokens(s.auth_readonly_token_files)
+    env_token = os.environ.get("EMBCACHE_AUTH_TOKEN", "").strip()
+    if env_token:
+        rw.add(env_token)
+    credentials = _credentials(s)
+    cache = EmbeddingCache(config, s.tables)
+    try:
+        registry = CollectorRegistry()
+        register_metrics(cache, registry)
+        latency = Histogram("embcache_rpc_request_duration_seconds", "Time to serve a call, by method and status code",
+                            ["method", "code"], registry=registry, buckets=_LATENCY_BUCKETS)
+
+        def observe(method: str, code: str, seconds: float) -> None:
+            latency.labels(method, code).observe(seconds)
+
+        durability = Durability(cache, s.flush_every_updates, s.flush_interval_seconds, s.sync)
+        info = pb.ServerInfo(version=__version__, max_batch_keys=config.max_batch_keys,
+                             reject_nonfinite=config.reject_nonfinite, max_receive_message_bytes=s.max_message_bytes,
+                             max_send_message_bytes=s.max_message_bytes, device=str(cache.device),
+                             durability=durability.describe())
+        servicer = EmbeddingCacheServicer(cache, durability, info, observe,
+                                          s.checkpoint_root or os.path.join(config.path, "checkpoints"))
+        workers = s.workers or max(8, 4 * (os.cpu_count() or 1))
+        options = [("grpc.max_send_message_length", s.max_message_bytes),
+                   ("grpc.max_receive_message_length", s.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]  # two servers must never share a port silently
+        interceptors = [_TokenAuth(rw, ro, observe)] if rw or ro else []
+        server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embcache-rpc"),
+                             options=options, interceptors=interceptors)
+        add_to_server(servicer, server)
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        try:
+            port = (server.add_secure_port(s.listen, credentials) if credentials is not None
+                    else server.add_insecure_port(s.listen))
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot listen on {s.listen}: {exc}") from None
+        if not port:
+            raise RuntimeError(f"cannot listen on {s.listen}")
+        httpd, metrics_port = None, -1
+        if s.metrics_port >= 0:
+            httpd, _ = start_http_server(s.metrics_port, addr=s.metrics_host, registry=registry)
+            metrics_port = int(httpd.server_port)
+        server.start()
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:
+        cache.close()
+        raise
+    return RunningServer(server, cache, servicer, health_servicer, durability, port, metrics_port,
+                         s.grace_seconds, s.drain_seconds, httpd)
+
+
+def _write_port_file(path: str, running: RunningServer) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"port": running.port, "metrics_port": running.metrics_port, "pid": os.getpid()}, f)
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server until SIGTERM or SIGINT; returns the exit status (2: bad configuration)."""
+    try:
+        s, args = load_settings(argv)
+        logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        stop = threading.Event()
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:  # installed before serving: a signal during start-up still stops cleanly
+            signal.signal(sig, lambda *_: stop.set())
+        running = start_server(s)
+    except (ConfigError, ValueError, RuntimeError) as exc:
+        print(f"embcache-server: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    host = s.listen.rsplit(":", 1)[0]
+    metrics = f", metrics http://{s.metrics_host}:{running.metrics_port}/metrics" if running.metrics_port >= 0 else ""
+    tls = " (mutual TLS)" if s.tls_client_ca else " (TLS)" if s.tls_cert else ""
+    print(f"embcache-server {__version__}: serving {sorted(running.cache.tables())} from "
+          f"{running.cache.config.path!r} on {host}:{running.port}{tls}{metrics}; "
+          f"durability: {running.durability.describe()}", flush=True)
+    if s.port_file:
+        _write_port_file(s.port_file, running)
+    while not stop.wait(3600):
+        pass
+    t0 = time.perf_counter()
+    print("embcache-server: shutting down (NOT_SERVING, draining calls, flushing)", flush=True)
+    running.shutdown()
+    print(f"embcache-server: stopped cleanly in {time.perf_counter() - t0:.2f} s", flush=True)
+    logging.shutdown()
+    # Everything is flushed and closed: skip the interpreter's teardown of torch, numba and gRPC
+    # (about a second that restarts and rolling updates would wait for).
+    os._exit(0)

@@ -1,0 +1,424 @@
+"""The gRPC servicer: a thin adapter from ``embcache.rpc.v1`` to :class:`~embcache.EmbeddingCache`.
+
+Each method decodes its request (:mod:`embcache.rpc.codec`), calls the library and encodes the
+reply; every rule about keys, rows, tables and passes lives in the library. Typed errors become
+status codes through the one table in :mod:`embcache.rpc.errors`, with the type's name in the
+trailing metadata. Latency is recorded per method and status code.
+
+Concurrency: gRPC runs each call on a worker thread; the cache serializes operations per table
+(one lock each) and releases the GIL in its heavy parts, so calls on different tables, and the
+encoding and decoding of different calls, run in parallel. A write request is applied with one
+library call, so it is atomic per table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import CancelledError
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from ..cache import EmbeddingCache
+from ..errors import CacheClosedError, EmbcacheError, InvalidGradientError, InvalidKeysError, InvalidRowsError
+from ..rpc import codec, wire
+from ..rpc.errors import ERROR_TYPE_KEY, NOT_APPLIED_KEY, status_of
+from ..rpc.v1 import embcache_pb2 as pb
+from ..rpc.v1 import embcache_pb2_grpc as pb_grpc
+
+__all__ = ["SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer", "add_to_server"]
+
+log = logging.getLogger("embcache.server")
+R = TypeVar("R")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].full_name
+# The hot calls skip the generated classes: requests arrive as bytes (parsed by embcache.rpc.wire
+# into views of those bytes) and the Lookup reply leaves as bytes joined once from the rows' memory.
+_RAW_REQUESTS = frozenset({"Lookup", "ApplyGradients", "Assign"})
+_RAW_RESPONSES = frozenset({"Lookup"})
+
+#: Methods that change rows, tables, passes or files; a read-only token may call the others.
+WRITE_METHODS = frozenset({"CreateTable", "ApplyGradients", "ApplyGradientsStream", "Assign", "AssignStream",
+                           "Prefetch", "BeginPass", "EndPass", "Flush", "Checkpoint"})
+
+
+class Durability:
+    """When acknowledged writes are flushed to the store (see ``embcache-server --help``).
+
+    Args:
+        cache: the cache to flush.
+        every_updates: flush in the write request that completes every N-th write request,
+            before acknowledging it (0 = off).
+        interval_seconds: flush from a background thread every S seconds when something was
+            written (0 = off).
+        sync: flush in every write request before acknowledging it.
+    """
+
+    def __init__(self, cache: EmbeddingCache, every_updates: int = 0, interval_seconds: float = 0.0,
+                 sync: bool = False) -> None:
+        if every_updates < 0 or interval_seconds < 0:
+            raise ValueError("flush_every_updates and flush_interval_seconds must be >= 0")
+        self._cache = cache
+        self._every = every_updates
+        self._interval = interval_seconds
+        self._sync = sync
+        self._lock = threading.Lock()
+        self._count = 0
+        self._dirty = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if interval_seconds > 0 and not sync:
+            self._thread = threading.Thread(target=self._loop, name="embcache-flush", daemon=True)
+            self._thread.start()
+
+    def describe(self) -> str:
+        """The mode in words (sent to clients in ServerInfo)."""
+        if self._sync:
+            return "sync: every write is flushed before it is acknowledged"
+        parts = []
+        if self._every:
+            parts.append(f"flush every {self._every} write requests")
+        if self._interval:
+            parts.append(f"flush every {self._interval:g} s")
+        return ", ".join(parts) or "flush on request (Flush, Checkpoint) and at shutdown"
+
+    def after_write(self) -> None:
+        """Account for one applied write request; flush now if the mode says so.
+
+        Raises:
+            StoreError: the flush failed (the write is applied in memory, not yet durable).
+        """
+        if self._sync:
+            self._cache.flush()
+            return
+        due = False
+        with self._lock:
+            self._dirty = True
+            if self._every:
+                self._count += 1
+                if self._count >= self._every:
+                    self._count, due = 0, True
+        if due:
+            self._cache.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                dirty, self._dirty = self._dirty, False
+            if not dirty:
+                continue
+            try:
+                self._cache.flush()
+            except CacheClosedError:
+                return
+            except EmbcacheError as exc:  # the rows stay dirty in memory; the next round retries
+                log.warning("periodic flush failed: %s", exc)
+                with self._lock:
+                    self._dirty = True
+
+    def stop(self) -> None:
+        """Stop the periodic flusher (the shutdown's own flush follows)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _unique_tables(items: Iterable[Any], what: str) -> None:
+    names = [i.table for i in items]
+    if len(set(names)) != len(names):
+        raise InvalidKeysError(f"{what}: a table appears more than once in one request: {names}")
+
+
+def _values(tv: pb.TableValues | wire.TableKeysView, what: str, error: type[EmbcacheError]) -> torch.Tensor:
+    return torch.from_numpy(codec.decode_tensor(tv.values, f"{what} of table {tv.table!r}", error,
+                                                codec.FLOAT_DTYPES, 2, tv.HasField("values")))
+
+
+def _keys(item: Any) -> torch.Tensor:
+    return codec.decode_keys(item.keys, f"keys of table {item.table!r}", item.HasField("keys"))
+
+
+def _collect(requests: Iterable[Any], what: str,
+             error: type[EmbcacheError]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Concatenate the chunks of a write stream per table (in arrival order)."""
+    parts: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    for req in requests:
+        _unique_tables(req.tables, f"{what} chunk")
+        for tv in req.tables:
+            keys, values = _keys(tv), _values(tv, what, error)
+            ks, vs = parts.setdefault(tv.table, ([], []))
+            if vs and values.shape[1:] != vs[0].shape[1:]:
+                raise error(f"{what} of table {tv.table!r}: chunks have different widths "
+                            f"({vs[0].shape[1]} and {values.shape[1]})")
+            ks.append(keys.numpy())
+            vs.append(values.numpy())
+    out = {}
+    for name, (ks, vs) in parts.items():
+        dtype = np.result_type(*vs)
+        out[name] = (torch.from_numpy(np.concatenate(ks)), torch.from_numpy(np.concatenate(vs).astype(dtype)))
+    return out
+
+
+class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
+    """Serves one :class:`~embcache.EmbeddingCache` over ``embcache.rpc.v1.EmbeddingCacheService``.
+
+    Args:
+        cache: the cache (owned by the caller, who closes it after the server stopped).
+        durability: the flush policy applied after writes.
+        server_info: limits and settings reported by ListTables.
+        observe: ``observe(method, code_name, seconds)`` records a call's latency (e.g. a Prometheus histogram).
+        checkpoint_root: directory under which Checkpoint may write.
+    """
+
+    def __init__(self, cache: EmbeddingCache, durability: Durability, server_info: pb.ServerInfo,
+                 observe: Callable[[str, str, float], None], checkpoint_root: str) -> None:
+        self._cache = cache
+        self._durability = durability
+        self._info = server_info
+        self._observe = observe
+        self._checkpoint_root = os.path.realpath(checkpoint_root)
+        self._stopping = threading.Event()
+        self._local = threading.local()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new calls (UNAVAILABLE, marked not applied); calls already running finish."""
+        self._stopping.set()
+
+    # ------------------------------------------------------------------ error and latency plumbing
+    def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException, t0: float) -> None:
+        if isinstance(exc, EmbcacheError):
+            code, name = status_of(exc)
+            message = str(exc)
+        else:  # a bug: say so, keep serving
+            log.exception("%s failed unexpectedly", method, exc_info=exc)
+            code, name = grpc.StatusCode.INTERNAL, type(exc).__name__
+            message = f"internal error in {method}: {type(exc).__name__}: {exc}"
+        meta: list[tuple[str, str]] = [(ERROR_TYPE_KEY, name)]
+        if isinstance(exc, CacheClosedError):
+            meta.append((NOT_APPLIED_KEY, "1"))
+        self._observe(method, code.name, time.perf_counter() - t0)
+        context.set_trailing_metadata(tuple(meta))
+        context.abort(code, message)
+
+    def _refuse_if_stopping(self, method: str, context: grpc.ServicerContext, t0: float) -> None:
+        if self._stopping.is_set():
+            self._observe(method, "UNAVAILABLE", time.perf_counter() - t0)
+            context.set_trailing_metadata(((NOT_APPLIED_KEY, "1"),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; the request was not applied")
+
+    def _run(self, method: str, context: grpc.ServicerContext, fn: Callable[[], R]) -> R:
+        t0 = time.perf_counter()
+        self._refuse_if_stopping(method, context, t0)
+        try:
+            result = fn()
+        except Exception as exc:
+            self._fail(method, context, exc, t0)
+            raise  # unreachable: abort raised
+        self._observe(method, "OK", time.perf_counter() - t0)
+        return result
+
+    def _run_stream(self, method: str, context: grpc.ServicerContext, gen: Iterator[R]) -> Iterator[R]:
+        t0 = time.perf_counter()
+        self._refuse_if_stopping(method, context, t0)
+        try:
+            yield from gen
+        except CancelledError:  # the client went away and its staging was cancelled
+            self._observe(method, "CANCELLED", time.perf_counter() - t0)
+            return
+        except Exception as exc:
+            self._fail(method, context, exc, t0)
+            raise
+        self._observe(method, "OK", time.perf_counter() - t0)
+
+    def _write(self, method: str, context: grpc.ServicerContext, fn: Callable[[], None]) -> None:
+        def apply() -> None:
+            fn()
+            self._durability.after_write()
+        self._run(method, context, apply)
+
+    # ------------------------------------------------------------------ tables
+    def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
+        """Add a table (idempotent for an equal definition)."""
+        return self._run("CreateTable", context, lambda: pb.CreateTableResponse(
+            created=self._cache.create_table(codec.table_from_proto(request.table))))
+
+    def ListTables(self, request: pb.ListTablesRequest, context: grpc.ServicerContext) -> pb.ListTablesResponse:
+        """The tables, by name, and the server's limits."""
+        def list_tables() -> pb.ListTablesResponse:
+            tables = self._cache.tables()
+            return pb.ListTablesResponse(tables=[codec.table_to_proto(tables[n]) for n in sorted(tables)],
+                                         server=self._info)
+        return self._run("ListTables", context, list_tables)
+
+    # ------------------------------------------------------------------ rows
+    def Lookup(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Rows of several tables; counts accesses like the library's lookup."""
+        def lookup() -> bytes:
+            tables = wire.parse_lookup_request(request)
+            _unique_tables(tables, "Lookup")
+            keys = {tk.table: _keys(tk) for tk in tables}
+            if len(keys) == 1:
+                (name, k), = keys.items()
+                rows = {name: self._lookup_one(name, k)}
+            else:
+                rows = self._cache.lookup_many(keys)
+            return wire.encode_lookup_response([(n, r.cpu().numpy()) for n, r in rows.items()])
+        return self._run("Lookup", context, lookup)
+
+    def _lookup_one(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+        """One table's rows into this thread's reusable buffer (a fresh [n, dim] tensor costs page faults)."""
+        cfg = self._cache.tables().get(table)
+        if cfg is None or self._cache.device.type != "cpu":  # unknown: the library raises; CUDA: rows leave anyway
+            return self._cache.lookup(table, keys)
+        dim = cfg.dim
+        buffers: dict[str, torch.Tensor] = self._local.__dict__.setdefault("buffers", {})
+        buf = buffers.get(table)
+        n = keys.numel()
+        if buf is None or buf.shape[0] < n or buf.shape[1] != dim:
+            buf = buffers[table] = torch.empty(max(n, 1024), dim, dtype=torch.float32)
+        return self._cache.lookup(table, keys, out=buf[:n])
+
+    def _apply(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(updates) == 1:
+            (name, (k, g)), = updates.items()
+            self._cache.apply_gradients(name, k, g)
+        elif updates:
+            self._cache.apply_gradients_many(updates)
+
+    def _assign(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(updates) > 1:  # the library has no assign_many: check every table before changing any
+            tables = self._cache.tables()
+            for name, (k, r) in updates.items():
+                self._cache.row_bytes(name)  # UnknownTableError
+                if tuple(r.shape) != (k.numel(), tables[name].dim):
+                    raise InvalidRowsError(f"rows of table {name!r} must have shape [{k.numel()}, "
+                                           f"{tables[name].dim}], got {list(r.shape)}; nothing was assigned")
+                if not bool(torch.isfinite(r).all()):
+                    raise InvalidRowsError(f"rows of table {name!r} contain NaN or inf; nothing was assigned")
+        for name, (k, r) in updates.items():
+            self._cache.assign(name, k, r)
+
+    def ApplyGradients(self, request: bytes, context: grpc.ServicerContext) -> pb.ApplyGradientsResponse:
+        """Apply each table's optimizer; duplicate keys' gradients are summed."""
+        def apply() -> None:
+            tables = wire.parse_values_request(request)
+            _unique_tables(tables, "ApplyGradients")
+            self._apply({tv.table: (_keys(tv), _values(tv, "gradients", InvalidGradientError)) for tv in tables})
+        self._write("ApplyGradients", context, apply)
+        return pb.ApplyGradientsResponse()
+
+    def ApplyGradientsStream(self, request_iterator: Iterator[pb.ApplyGradientsRequest],
+                             context: grpc.ServicerContext) -> pb.ApplyGradientsResponse:
+        """ApplyGradients for batches above the message limit: chunks collected, then applied as one request."""
+        self._write("ApplyGradientsStream", context,
+                    lambda: self._apply(_collect(request_iterator, "gradients", InvalidGradientError)))
+        return pb.ApplyGradientsResponse()
+
+    def Assign(self, request: bytes, context: grpc.ServicerContext) -> pb.AssignResponse:
+        """Overwrite rows and reset their optimizer state; the last duplicate wins."""
+        def assign() -> None:
+            tables = wire.parse_values_request(request)
+            _unique_tables(tables, "Assign")
+            self._assign({tv.table: (_keys(tv), _values(tv, "rows", InvalidRowsError)) for tv in tables})
+        self._write("Assign", context, assign)
+        return pb.AssignResponse()
+
+    def AssignStream(self, request_iterator: Iterator[pb.AssignRequest],
+                     context: grpc.ServicerContext) -> pb.AssignResponse:
+        """Assign for batches above the message limit: chunks collected, then assigned as one request."""
+        self._write("AssignStream", context,
+                    lambda: self._assign(_collect(request_iterator, "rows", InvalidRowsError)))
+        return pb.AssignResponse()
+
+    # ------------------------------------------------------------------ passes
+    def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> Iterator[pb.PrefetchResponse]:
+        """Start staging; with ``wait``, a second message when done (cancelling the call stops the staging)."""
+        def stream() -> Iterator[pb.PrefetchResponse]:
+            _unique_tables(request.keysets, "Prefetch")
+            fut = self._cache.prefetch({k.table: codec.decode_keyset(k) for k in request.keysets})
+            yield pb.PrefetchResponse(done=False)
+            if not request.wait:
+                return
+            finished = threading.Event()
+
+            def on_end() -> None:  # the call ended before the staging did: the client gave up on it
+                if not finished.is_set():
+                    fut.cancel()
+            context.add_callback(on_end)
+            result = fut.result()
+            finished.set()
+            yield pb.PrefetchResponse(done=True, tables=[
+                pb.PrefetchTableResult(table=n, staged_rows=int(r["staged_rows"]), leased_rows=int(r["leased_rows"]),
+                                       seconds=float(r["seconds"])) for n, r in result.items()])
+        yield from self._run_stream("Prefetch", context, stream())
+
+    def BeginPass(self, request: pb.BeginPassRequest, context: grpc.ServicerContext) -> pb.BeginPassResponse:
+        """Make a pass's keyset resident and pin it."""
+        def begin() -> pb.BeginPassResponse:
+            _unique_tables(request.keysets, "BeginPass")
+            report = self._cache.begin_pass({k.table: codec.decode_keyset(k) for k in request.keysets})
+            return pb.BeginPassResponse(tables=[pb.PassTableReport(table=n, keyset_rows=r["keyset_rows"],
+                                                                   pinned_rows=r["pinned_rows"])
+                                                for n, r in report.items()])
+        return self._run("BeginPass", context, begin)
+
+    def EndPass(self, request: pb.EndPassRequest, context: grpc.ServicerContext) -> Iterator[pb.EndPassResponse]:
+        """Unpin the pass; with ``wait``, a second message when the write-back is done."""
+        def stream() -> Iterator[pb.EndPassResponse]:
+            fut = self._cache.end_pass()
+            yield pb.EndPassResponse(done=False)
+            if request.wait:
+                yield pb.EndPassResponse(done=True, written_rows=int(fut.result()))
+        yield from self._run_stream("EndPass", context, stream())
+
+    # ------------------------------------------------------------------ durability and inspection
+    def Flush(self, request: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
+        """Make every acknowledged update durable."""
+        self._run("Flush", context, self._cache.flush)
+        return pb.FlushResponse()
+
+    def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
+        """Write a consistent snapshot under the checkpoint root."""
+        t0 = time.perf_counter()
+        directory = os.path.realpath(os.path.join(self._checkpoint_root, request.directory or ""))
+        if (not request.directory or directory == self._checkpoint_root
+                or os.path.commonpath([directory, self._checkpoint_root]) != self._checkpoint_root):
+            self._observe("Checkpoint", "PERMISSION_DENIED", time.perf_counter() - t0)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"checkpoint directory {request.directory!r} is not inside the server's checkpoint root "
+                          f"{self._checkpoint_root!r}; pass a relative name")
+        self._run("Checkpoint", context, lambda: self._cache.checkpoint(directory))
+        return pb.CheckpointResponse(directory=directory)
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        """``EmbeddingCache.stats()`` as JSON."""
+        return self._run("Stats", context, lambda: pb.StatsResponse(json=json.dumps(self._cache.stats())))
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server) -> None:
+    """Register the servicer, with bytes in and out for the hot calls (the generated helper would parse them)."""
+    handlers = {}
+    make = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}
+    for method in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = make[(method.client_streaming, method.server_streaming)](
+            getattr(servicer, method.name),
+            request_deserializer=_identity if method.name in _RAW_REQUESTS else request_type.FromString,
+            response_serializer=_identity if method.name in _RAW_RESPONSES else response_type.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -1,0 +1,578 @@
+"""Deployment assets under deploy/, checked by the real tools, and a real Prometheus scraping a real server.
+
+- promtool: the scrape config, the rules, the rules' unit tests, every PromQL expression of the
+  Grafana dashboard, and the /metrics text of a cache and of a server under a workload;
+- kubernetes-validate --strict on every manifest, hadolint on the Dockerfile, and the
+  cross-references between them and the server (ports, flags, config file, probes, user id);
+- Debian's Prometheus scraping ``python -m embcache.server`` every second, with the recording
+  rules loaded: the hit ratios it records equal the server's own stats().
+
+The tools come from scripts/install-ci-tools.sh. A missing tool fails the test (CI must run it);
+EMBCACHE_ALLOW_MISSING_TOOLS=1 turns that into a skip on a developer's machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, start_http_server
+
+from embcache import CacheConfig, EmbeddingCache, TableConfig
+from embcache.metrics import register_metrics
+
+try:
+    import yaml
+except ImportError:  # PyYAML comes with kubernetes-validate (scripts/install-ci-tools.sh)
+    yaml = None
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+PROM = DEPLOY / "prometheus"
+RULE_FILES = sorted((PROM / "rules").glob("*.yml"))
+DASHBOARD = DEPLOY / "grafana" / "embcache.json"
+MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+
+# Metrics the dashboard and rules use that an embedded cache does not export: the server's request
+# histogram (checked against a live server below), and three that wait on timing hooks in the
+# cache (deploy/README.md, "Metrics").
+NOT_FROM_EMBEDDED_CACHE = {
+    "embcache_rpc_request_duration_seconds",
+}
+
+
+def missing(what: str) -> None:
+    """Fail (CI) or, with EMBCACHE_ALLOW_MISSING_TOOLS=1, skip: ``what`` is not installed."""
+    message = f"{what} is not installed: run scripts/install-ci-tools.sh"
+    if os.environ.get("EMBCACHE_ALLOW_MISSING_TOOLS") == "1":
+        pytest.skip(message + " (skipped: EMBCACHE_ALLOW_MISSING_TOOLS=1)")
+    pytest.fail(message + " (or set EMBCACHE_ALLOW_MISSING_TOOLS=1 to skip these tests)")
+
+
+def tool(name: str) -> str:
+    """Path of a command-line tool (PATH, then the venv's bin/), or fail telling how to install it."""
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if not found:
+        missing(name)
+    return str(found)
+
+
+@pytest.fixture(autouse=True)
+def _needs_yaml() -> None:
+    if yaml is None:
+        missing("PyYAML")
+
+
+def run(args: list[str], stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------ Prometheus config and rules
+def test_promtool_check_config() -> None:
+    out = run([tool("promtool"), "check", "config", str(PROM / "prometheus.yml")])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(RULE_FILES)} rule files found" in out.stdout + out.stderr
+
+
+def test_promtool_check_rules() -> None:
+    out = run([tool("promtool"), "check", "rules", *map(str, RULE_FILES)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("SUCCESS") == len(RULE_FILES) == 2
+
+
+def test_promtool_rule_unit_tests() -> None:
+    tests = sorted((PROM / "tests").glob("*.yml"))
+    assert tests
+    out = run([tool("promtool"), "test", "rules", *map(str, tests)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout and "FAILED" not in out.stdout
+
+
+def load_rules() -> tuple[dict[str, str], dict[str, str]]:
+    """(recording rule name -> expr, alert name -> expr) of every rule file."""
+    records, alerts = {}, {}
+    for path in RULE_FILES:
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            for rule in group["rules"]:
+                if "record" in rule:
+                    records[rule["record"]] = rule["expr"]
+                else:
+                    alerts[rule["alert"]] = rule["expr"]
+    return records, alerts
+
+
+def test_every_rule_is_unit_tested() -> None:
+    """Each alert has a case where it fires and one where it does not; each recording rule is evaluated."""
+    records, alerts = load_rules()
+    assert {"EmbcacheServerDown", "EmbcacheHitRatioDrop", "EmbcacheSsdSlow", "EmbcacheStoreDiskNearlyFull",
+            "EmbcachePrefetchFallingBehind"} <= set(alerts)
+    fires: set[str] = set()
+    silent: set[str] = set()
+    exprs: list[str] = []
+    for path in (PROM / "tests").glob("*.yml"):
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for t in case.get("alert_rule_test", []):
+                (fires if t.get("exp_alerts") else silent).add(t["alertname"])
+            exprs += [t["expr"] for t in case.get("promql_expr_test", [])]
+    assert set(alerts) <= fires, f"alerts never shown firing: {set(alerts) - fires}"
+    assert set(alerts) <= silent, f"alerts never shown silent: {set(alerts) - silent}"
+    # A recording rule counts as tested when a test queries it or a tested alert uses it.
+    used = " ".join(exprs) + " ".join(alerts.values())
+    untested = [name for name in records if not re.search(re.escape(name) + r"(?![\w:])", used)]
+    assert not untested, f"recording rules no test evaluates: {untested}"
+
+
+# ------------------------------------------------------------------ Grafana dashboard
+def dashboard_panels(dash: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dash["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # panels inside collapsed rows
+
+
+def dashboard_queries() -> list[str]:
+    """Every PromQL expression of the dashboard: panel targets and the inner selector of label_values()."""
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard_panels(dash) for t in p.get("targets", [])]
+    for var in dash["templating"]["list"]:
+        if var["type"] == "query":
+            m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"]["query"])
+            assert m, var["query"]
+            exprs.append(m.group(1))
+    return exprs
+
+
+def concrete(expr: str) -> str:
+    """Grafana variables replaced by values Prometheus accepts."""
+    for var, value in (("$__rate_interval", "1m"), ("$__interval", "15s"), ("$__range", "1h"),
+                       ("$job", "embcache"), ("$table", "user")):
+        expr = expr.replace(var, value)
+    assert "$" not in expr, f"unknown Grafana variable in {expr!r}"
+    return expr
+
+
+def promtool_check_exprs(exprs: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard_query_{i}", "expr": concrete(e)} for i, e in enumerate(exprs)]}]}
+    path = tmp_path / "dashboard-queries.yml"
+    path.write_text(yaml.safe_dump(rules))
+    return run([tool("promtool"), "check", "rules", str(path)])
+
+
+def test_dashboard_promql_is_valid(tmp_path: Path) -> None:
+    exprs = dashboard_queries()
+    assert len(exprs) >= 30
+    out = promtool_check_exprs(exprs, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in out.stdout
+    # The same check rejects a broken expression (a missing parenthesis).
+    bad = promtool_check_exprs([exprs[0], "sum by (table) (rate(embcache_lookups_total[1m])"], tmp_path)
+    assert bad.returncode != 0 and "dashboard_query_1" in bad.stdout + bad.stderr
+
+
+def test_dashboard_layout_and_variables() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    names = [v["name"] for v in dash["templating"]["list"]]
+    assert names == ["datasource", "job", "table"]
+    panels = list(dashboard_panels(dash))
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & mine, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        for t in p.get("targets", []):
+            assert t["datasource"]["uid"] == "${datasource}"
+            # Per-table series are filtered by the table variable (the server's RPC and disk series have no table).
+            if "rpc_request" not in t["expr"] and "filesystem" not in t["expr"]:
+                assert 'table=~"$table"' in t["expr"], t["expr"]
+    exprs = " ".join(dashboard_queries())
+    for needed in ("embcache_tier_hit_ratio", "embcache_mrc_hit_ratio", "embcache_lookups_total",
+                   "histogram_quantile(0.99", "embcache_tier_demotions_total", "embcache_tier_resident_bytes",
+                   "embcache_ssd_read_bytes_total", "embcache_ssd_write_bytes_total"):
+        assert needed in exprs, needed
+
+
+def metric_names(text: str) -> set[str]:
+    """Names of raw embcache metrics in PromQL (not recording rules, whose names hold colons)."""
+    names = set(re.findall(r"(?<![\w:])embcache_\w+(?![\w:])", text))
+    return {re.sub(r"_(bucket|count|sum)$", "", n) if "duration_seconds" in n else n for n in names}
+
+
+# ------------------------------------------------------------------ /metrics of a real cache
+@pytest.fixture
+def exporter(tmp_path: Path) -> Iterator[tuple[EmbeddingCache, int]]:
+    """A real cache (RocksDB under tmp_path) after a small workload, exported on 127.0.0.1:<port>/metrics."""
+    cache = EmbeddingCache(CacheConfig(hbm_bytes=64 * 100, ddr_bytes=256 * 100, path=str(tmp_path / "store"),
+                                       device="cpu"),
+                           [TableConfig(name="user", dim=8, optimizer="adagrad", seed=1),
+                            TableConfig(name="item", dim=4, seed=2)])
+    registry = CollectorRegistry()
+    register_metrics(cache, registry)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(20):
+            keys = (torch.rand(256, generator=gen) ** 3 * 2000).long()  # skewed: some keys hot
+            cache.lookup("user", keys)
+            cache.apply_gradients("user", keys, torch.randn(256, 8, generator=gen))
+            cache.lookup("item", keys % 300)
+        cache.prefetch({"user": torch.arange(5000, 5040)}).result(timeout=60)
+        cache.begin_pass({"user": torch.arange(5000, 5040)})
+        cache.lookup("user", torch.arange(5000, 5010))
+        cache.end_pass()
+        yield cache, server.server_port
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+        cache.close()
+
+
+def fetch(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return str(resp.read().decode())
+
+
+def test_metrics_pass_promtool_check_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
+    cache, port = exporter
+    text = fetch(f"http://127.0.0.1:{port}/metrics")
+    families = set(re.findall(r"^# TYPE (embcache_\w+) ", text, re.M))
+    assert len(families) >= 30, families
+    assert {"embcache_tier_misses_total", "embcache_store_filesystem_avail_bytes", "embcache_mrc_hit_ratio"} <= families
+    if "read_latency" in cache.stats()["user"]["ssd"]:  # once the cache times its store operations
+        assert "embcache_ssd_op_duration_seconds" in families
+    out = run([tool("promtool"), "check", "metrics"], stdin=text)
+    assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
+    # The same check complains about a counter without _total and a time not in seconds.
+    bad = "# HELP embcache_x_ms Bad.\n# TYPE embcache_x_ms counter\nembcache_x_ms 1\n"
+    out = run([tool("promtool"), "check", "metrics"], stdin=bad)
+    assert out.returncode != 0 and "embcache_x_ms" in out.stdout + out.stderr
+
+
+def test_dashboard_and_rules_use_exported_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
+    """Every raw metric the dashboard and rules query is one the cache exports (catches typos)."""
+    _, port = exporter
+    exported = set(re.findall(r"^# TYPE (embcache_\w+) ", fetch(f"http://127.0.0.1:{port}/metrics"), re.M))
+    records, alerts = load_rules()
+    used = metric_names(" ".join(dashboard_queries()) + " ".join(records.values()) + " ".join(alerts.values()))
+    assert len(used) >= 25
+    unknown = used - exported - NOT_FROM_EMBEDDED_CACHE
+    assert not unknown, f"queried but not exported: {sorted(unknown)}"
+    dash_and_rules = " ".join(dashboard_queries()) + " ".join(alerts.values())
+    for record in records:  # every recording rule is shown or alerted on
+        assert re.search(re.escape(record) + r"(?![\w:])", dash_and_rules), record
+
+
+def test_latency_histogram_passes_promtool_check_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
+    """The store latency histogram, once stats() carries it, is valid exposition text too."""
+    from prometheus_client import generate_latest
+
+    from embcache.metrics import LatencyHistogram
+
+    cache, _ = exporter
+    hist = LatencyHistogram()
+    for seconds in (0.00005, 0.0003, 0.002, 0.04, 0.7, 9.0):
+        hist.observe(seconds)
+    stats = cache.stats()
+    for s in stats.values():
+        s["ssd"].update(read_latency=hist.snapshot(), write_latency=hist.snapshot())
+
+    class Snapshot:  # the real cache's stats, frozen with the histograms in
+        closed = False
+
+        def stats(self) -> dict[str, Any]:
+            return stats
+
+    registry = CollectorRegistry()
+    register_metrics(Snapshot(), registry)
+    text = generate_latest(registry).decode()
+    assert text.count("# TYPE embcache_ssd_op_duration_seconds histogram") == 1
+    assert 'embcache_ssd_op_duration_seconds_bucket{le="+Inf",op="write",table="user"} 6.0' in text
+    out = run([tool("promtool"), "check", "metrics"], stdin=text)
+    assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ Kubernetes and the image
+def test_kubernetes_manifests_validate_strict() -> None:
+    assert {p.name for p in MANIFESTS} >= {"statefulset.yaml", "service.yaml", "configmap.yaml"}
+    out = run([tool("kubernetes-validate"), "--strict", *map(str, MANIFESTS)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (out.stdout + out.stderr).count(" passed for resource ") == len(MANIFESTS)
+
+
+def manifests() -> dict[str, dict[str, Any]]:
+    docs = [d for p in MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+def test_kubernetes_manifests_fit_together() -> None:
+    m = manifests()
+    sts, svc, cm = m["StatefulSet"], m["Service"], m["ConfigMap"]
+    pod = sts["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert m["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    args = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
+    assert args["listen"] == f"0.0.0.0:{ports['grpc']}"
+    assert int(args["metrics-port"]) == ports["metrics"] == int(pod["metadata"]["annotations"]["prometheus.io/port"])
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"grpc": "grpc", "metrics": "metrics"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == ports["grpc"], probe
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= container["resources"][kind].keys()
+    # The config file the server reads is a key of the ConfigMap mounted where --config points.
+    mounts = {v["name"]: v["mountPath"] for v in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    config_volume = next(n for n, v in volumes.items() if "configMap" in v)
+    assert volumes[config_volume]["configMap"]["name"] == cm["metadata"]["name"]
+    assert args["config"] == f"{mounts[config_volume]}/server.toml" and "server.toml" in cm["data"]
+    # The store lives on the shard's own volume.
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert args["path"].startswith(mounts[claim["metadata"]["name"]] + "/")
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 30
+    # Prometheus finds the shards through the Service's SRV records of the metrics port.
+    scrape = yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"][0]
+    (name,) = scrape["dns_sd_configs"][0]["names"]
+    assert name.startswith(f"_metrics._tcp.{svc['metadata']['name']}.")
+
+
+def test_server_accepts_the_manifests_config_and_flags(tmp_path: Path) -> None:
+    """The real server's option parser takes the ConfigMap's file with the StatefulSet's flags."""
+    from embcache.server.main import load_settings
+
+    m = manifests()
+    pod = m["StatefulSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    config = tmp_path / "server.toml"
+    config.write_text(m["ConfigMap"]["data"]["server.toml"])
+    argv = [f"--config={config}" if a.startswith("--config=") else a for a in container["args"]]
+    settings, _ = load_settings(argv)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert settings.listen == f"0.0.0.0:{ports['grpc']}"
+    assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", ports["metrics"])  # scrapable from outside
+    assert [t.name for t in settings.tables] and settings.flush_interval_seconds > 0
+    cfg = settings.cache_config()
+    # Both memory tiers live in RAM on a CPU node: the memory request covers them with room for the process.
+    request = container["resources"]["requests"]["memory"]
+    assert request.endswith("Gi") and int(request[:-2]) << 30 >= cfg.hbm_bytes + cfg.ddr_bytes + (512 << 20)
+    # Kubernetes waits for the drain (calls in flight) and the flush after it before killing the pod.
+    assert pod["terminationGracePeriodSeconds"] >= settings.grace_seconds + 60
+
+
+def test_dockerfile_lint_and_consistency() -> None:
+    out = run([tool("hadolint"), str(DOCKERFILE)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = DOCKERFILE.read_text()
+    for source in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for path in source.split():
+            assert (REPO / path).exists(), path
+    assert "--index-url" in text and "whl/cpu" in text  # the CPU torch wheel, not PyPI's CUDA build
+    (container,) = manifests()["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", text, re.M).group(1).split()}  # type: ignore[union-attr]
+    assert exposed == {p["containerPort"] for p in container["ports"]}
+    uid = manifests()["StatefulSet"]["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+    assert f"USER {uid}:" in text
+    entry = json.loads(re.search(r"^ENTRYPOINT (.+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    scripts = re.search(r"^\[project\.scripts\]\n((?:[^\[\n].*\n|\n)*)", (REPO / "pyproject.toml").read_text(), re.M)
+    assert scripts and re.search(rf"^{re.escape(entry[0])}\s*=", scripts.group(1), re.M), \
+        f"ENTRYPOINT {entry[0]} is not a console script of pyproject.toml"
+
+
+# ------------------------------------------------------------------ Prometheus scraping a live server
+class Prometheus:
+    """Debian's Prometheus on 127.0.0.1, scraping ``target`` every second with deploy/'s rules loaded."""
+
+    def __init__(self, tmp_path: Path, target: str) -> None:
+        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                  "rule_files": [str(p) for p in RULE_FILES],
+                  "scrape_configs": [{"job_name": "embcache", "static_configs": [{"targets": [target]}]}]}
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = open(tmp_path / "prometheus.log", "w")  # closed in stop()
+        self.proc = subprocess.Popen(
+            [tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address={self.url[7:]}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait(lambda: fetch(self.url + "/-/ready", timeout=1) is not None, "Prometheus to start")
+
+    def wait(self, ready: Any, what: str, timeout: float = 30) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"Prometheus exited: {Path(self.log.name).read_text()[-2000:]}"
+            try:
+                value = ready()
+                if value:
+                    return value
+            except (OSError, KeyError, IndexError):
+                pass
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+    def query(self, promql: str) -> dict[tuple[tuple[str, str], ...], tuple[float, float]]:
+        """Instant query: {sorted labels without __name__: (timestamp, value)}."""
+        body = json.loads(fetch(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})))
+        assert body["status"] == "success", body
+        return {tuple(sorted((k, v) for k, v in r["metric"].items() if k != "__name__")):
+                (float(r["value"][0]), float(r["value"][1])) for r in body["data"]["result"]}
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class Server:
+    """``python -m embcache.server`` on 127.0.0.1 (free ports), with a gRPC stub to drive it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        import grpc
+
+        from embcache.rpc.v1 import embcache_pb2_grpc
+
+        port_file = tmp_path / "server.json"
+        self.log = open(tmp_path / "server.log", "w")  # closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "embcache.server", "--listen=127.0.0.1:0", "--metrics-port=0",
+             f"--port-file={port_file}", f"--path={tmp_path / 'store'}", "--device=cpu",
+             f"--hbm-bytes={64 * 100}", f"--ddr-bytes={256 * 100}", "--table=name=user,dim=8,optimizer=adagrad,seed=1"],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert self.proc.poll() is None, f"server exited: {Path(self.log.name).read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "the server did not start in 60 s"
+            time.sleep(0.1)
+        ports = json.loads(port_file.read_text())
+        self.metrics_port = int(ports["metrics_port"])
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{ports['port']}")
+        self.stub = embcache_pb2_grpc.EmbeddingCacheServiceStub(self.channel)
+
+    def workload(self, steps: int, seed: int = 0) -> None:
+        """Zipf-distributed lookups and updates of table user, 512 keys a step, 0.1 s apart."""
+        import numpy as np
+
+        from embcache.rpc.codec import encode_tensor
+        from embcache.rpc.v1 import embcache_pb2 as pb
+
+        rng = np.random.default_rng(seed)
+        for _ in range(steps):
+            keys = encode_tensor(torch.from_numpy(rng.zipf(1.3, 512) % 3000))
+            self.stub.Lookup(pb.LookupRequest(tables=[pb.TableKeys(table="user", keys=keys)]), timeout=30)
+            grads = encode_tensor(torch.ones(512, 8))
+            self.stub.ApplyGradients(pb.ApplyGradientsRequest(
+                tables=[pb.TableValues(table="user", keys=keys, values=grads)]), timeout=30)
+            time.sleep(0.1)
+
+    def stats(self) -> dict[str, Any]:
+        from embcache.rpc.v1 import embcache_pb2 as pb
+
+        return dict(json.loads(self.stub.Stats(pb.StatsRequest(), timeout=30).json))
+
+    def stop(self) -> int:
+        """SIGTERM (graceful drain) and the exit status."""
+        self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        finally:
+            self.log.close()
+
+
+def test_prometheus_records_the_hit_ratio_of_a_live_server(tmp_path: Path) -> None:
+    """Recorded hit ratios equal the server's stats(): hits / lookups per tier, and from memory end to end.
+
+    The 1m window holds a scrape from before the workload (every counter 0) and one after it,
+    so rate()'s extrapolation is the same factor for every series and cancels in the ratio: the
+    recorded ratio is the ratio of the final counters, up to float rounding, whatever the timing.
+    """
+    server = Server(tmp_path)
+    prom = None
+    try:
+        prom = Prometheus(tmp_path, f"127.0.0.1:{server.metrics_port}")
+        lookups = 'embcache_lookups_total{job="embcache",table="user"}'
+        # A sample with every counter at 0 is stored before the workload starts.
+        prom.wait(lambda: prom.query(lookups).popitem()[1][1] == 0, "a scrape before the workload")
+        started = time.monotonic()
+        server.workload(steps=25)  # ~2.5 s: several scrapes land during the workload
+        stats = server.stats()["user"]
+        total = stats["lookups"]
+        assert total == 25 * 512
+        # The final counters scraped, then the rules evaluated after that scrape (timestamp(): of the samples).
+        prom.wait(lambda: [v for _, v in prom.query(lookups).values()] == [total], "the final scrape")
+        (scraped,) = [v for _, v in prom.query(f"timestamp({lookups})").values()]
+        ratio = "job_table_tier:embcache_tier_hit_ratio:rate1m"
+        prom.wait(lambda: min(v for _, v in prom.query(f"timestamp({ratio})").values()) >= scraped,
+                  "a rule evaluation after the final scrape")
+        assert time.monotonic() - started < 50, "the 1m window no longer reaches back to the zero sample"
+
+        per_tier = prom.query(ratio)
+        end_to_end = prom.query("job_table:embcache_hit_ratio:rate1m")
+        local = prom.query("job_table_tier:embcache_tier_local_hit_ratio:rate5m")
+        key = (("job", "embcache"), ("table", "user"))
+        for tier in ("hbm", "ddr", "ssd"):
+            expected = stats[tier]["hits"] / total
+            assert per_tier[(*key, ("tier", tier))][1] == pytest.approx(expected, rel=1e-9, abs=1e-12), tier
+        assert 0 < stats["hbm"]["hits"] / total < 1 and stats["ddr"]["hits"] > 0  # a workload that uses the tiers
+        memory = (stats["hbm"]["hits"] + stats["ddr"]["hits"]) / total
+        assert end_to_end[key][1] == pytest.approx(memory, rel=1e-9)
+        reached_ddr = total - stats["hbm"]["hits"]
+        assert local[(*key, ("tier", "ddr"))][1] == pytest.approx(stats["ddr"]["hits"] / reached_ddr, rel=1e-9)
+        # The server's request histogram, by method and status.
+        calls = prom.query('embcache_rpc_request_duration_seconds_count{method="Lookup",code="OK"}')
+        assert [v for _, v in calls.values()] == [25]
+
+        # Every rule (alerts too) evaluates without error on the real series.
+        groups = json.loads(fetch(prom.url + "/api/v1/rules"))["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        records, alerts = load_rules()
+        assert len(rules) == len(records) + len(alerts)
+        assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+        # The server's own /metrics passes promtool and has everything the dashboard and rules query.
+        text = fetch(f"http://127.0.0.1:{server.metrics_port}/metrics")
+        out = run([tool("promtool"), "check", "metrics"], stdin=text)
+        assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
+        exported = set(re.findall(r"^# TYPE (embcache_\w+) ", text, re.M))
+        used = metric_names(" ".join(dashboard_queries()) + " ".join(records.values()) + " ".join(alerts.values()))
+        assert "embcache_rpc_request_duration_seconds" in exported
+        assert not used - exported - NOT_FROM_EMBEDDED_CACHE, sorted(used - exported)
+    finally:
+        if prom is not None:
+            prom.stop()
+        assert server.stop() == 0, Path(server.log.name).read_text()[-2000:]  # drained and flushed cleanly
