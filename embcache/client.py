@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -288,13 +289,46 @@ def _weighted(items: list[tuple[float, Any]]) -> Any:
     return first
 
 
+def resolve_shards(target: str) -> dict[str, str]:
+    """The shards behind a DNS name, e.g. a Kubernetes headless Service: ``{shard name: "host:port"}``.
+
+    Args:
+        target: ``"dns:///name:port"`` (or ``"name:port"``). Every address the name resolves to
+            is a shard, named by its reverse-DNS name: for a StatefulSet behind a headless
+            Service that is the pod's stable ``embcache-0.embcache.<ns>.svc.cluster.local``, so
+            a shard keeps its place on the hash ring when its pod comes back with another IP.
+            An address without a reverse name is named by its IP.
+
+    Raises:
+        ValueError: no port, or the name does not resolve.
+    """
+    hostport = target.removeprefix("dns:///")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"expected 'dns:///name:port', got {target!r}")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"{host!r} does not resolve: {exc}") from None
+    shards: dict[str, str] = {}
+    for ip in sorted({str(info[4][0]) for info in infos}):
+        try:
+            name = socket.gethostbyaddr(ip)[0]
+        except OSError:
+            name = ip
+        shards[name] = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    return shards
+
+
 class Client:
     """The methods of :class:`~embcache.EmbeddingCache`, served by ``embcache-server`` shards.
 
     Args:
         servers: ``"host:port"``, a list of them, or ``{shard name: "host:port"}``. Names place
             the shards on the hash ring (for a list, the address is the name): keep them stable
-            when a shard moves, or its keys move with it.
+            when a shard moves, or its keys move with it. ``"dns:///name:port"`` takes every
+            address a DNS name resolves to (a Kubernetes headless Service), each named by its
+            reverse-DNS name (:func:`resolve_shards`).
         timeout: deadline of a data call in seconds, retries included (default 60).
         long_timeout: deadline of pass, flush and checkpoint calls (default 3600).
         connect_timeout: how long the constructor waits for every shard (default 30).
@@ -323,7 +357,7 @@ class Client:
                  tls_key: str | bytes | None = None, tls_server_name: str | None = None,
                  max_message_bytes: int = 64 << 20, vnodes: int = 256) -> None:
         if isinstance(servers, str):
-            servers = [servers]
+            servers = resolve_shards(servers) if servers.startswith("dns:///") else [servers]
         named = dict(servers) if isinstance(servers, Mapping) else {a: a for a in servers}
         if not named or len(named) != len(servers):
             raise ValueError(f"servers must be one or more distinct addresses, got {servers!r}")

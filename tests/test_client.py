@@ -328,3 +328,20 @@ def test_client_is_a_backend_of_the_torch_modules(client: Client, tmp_path) -> N
     counts = [_rpc_count(s, "Lookup") - b for s, b in zip(client_servers(client), lookups, strict=True)]
     assert counts == [5] * len(lookups)
     ref.close()
+
+
+def test_shards_resolved_from_a_dns_name(one_shard: LocalServer) -> None:
+    from embcache.client import resolve_shards
+
+    port = one_shard.address.rsplit(":", 1)[1]
+    shards = resolve_shards(f"dns:///localhost:{port}")
+    assert shards and all(addr.endswith(f":{port}") for addr in shards.values())
+    assert "localhost" in shards or any(name.startswith("127.") for name in shards)  # named by reverse DNS
+    with Client(f"dns:///localhost:{port}", timeout=30) as c:
+        if len(shards) == 1:  # localhost may also resolve to ::1, where the server does not listen
+            c.create_table(TableConfig(name="dns_t", dim=4))
+            assert c.lookup("dns_t", [1, 2]).shape == (2, 4)
+    with pytest.raises(ValueError, match="name:port"):
+        resolve_shards("dns:///no-port")
+    with pytest.raises(ValueError, match="resolve"):
+        resolve_shards("dns:///no-such-host.invalid:1")
