@@ -1,0 +1,129 @@
+"""The DLRM example end to end at a tiny scale, and its synthetic data generator."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+
+from examples import dlrm
+from examples.synthetic import N_DENSE, N_SPARSE, SyntheticConfig, SyntheticDataset, generate_dataset
+
+TINY = ["--passes", "3", "--samples-per-pass", "6000", "--eval-samples", "6000", "--batch", "512", "--dim", "8",
+        "--scale", "0.002", "--bottom-mlp", "32", "--top-mlp", "32", "--emb-lr", "0.1", "--lr", "0.005",
+        "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One tiny data set shared by the runs (each run reuses it: same options, same data)."""
+    return str(tmp_path_factory.mktemp("dlrm") / "data")
+
+
+def run(mode: str, data: str, path: str) -> dict[str, Any]:
+    return dlrm.run(dlrm.build_parser().parse_args([*TINY, "--mode", mode, "--data", data, "--path", path]))
+
+
+def check_counts(summary: dict[str, Any]) -> None:
+    for p in [*summary["passes"], summary["eval"]]:
+        c = p["tier_counts"]
+        assert c["lookups"] > 0
+        assert c["hbm"] + c["ddr"] + c["ssd"] + c["created"] == c["lookups"]
+
+
+def test_dlrm_cache_mode_end_to_end(data_dir: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    summary = dlrm.main([*TINY, "--mode", "cache", "--data", data_dir, "--path", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert "held-out AUC" in out and "| pass |" in out  # the summary table was printed
+    assert summary["last_pass_loss"] < summary["first_pass_loss"]
+    assert summary["auc"] > 0.6
+    check_counts(summary)
+    # rows touched over the run exceed what memory holds, yet with prefetch and passes no
+    # lookup waits on the store: every pass is staged before it begins
+    assert summary["touched_over_memory"] > 1.1
+    for p in summary["passes"]:
+        assert p["tier_counts"]["ssd"] == 0 and p["tier_counts"]["created"] == 0
+        assert p["prefetch_staged_rows"] > 0
+
+
+def test_dlrm_torch_and_nopass_modes_train_the_same_model(data_dir: str, tmp_path: Any) -> None:
+    cache = run("cache-noprefetch", data_dir, str(tmp_path / "a"))
+    torch_run = run("torch", data_dir, str(tmp_path / "b"))
+    nopass = run("cache-nopass", data_dir, str(tmp_path / "c"))
+    # the same data and initial rows: tables in memory and in the cache give the same losses
+    for a, b, c in zip(cache["passes"], torch_run["passes"], nopass["passes"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert c["loss"] == pytest.approx(b["loss"], abs=1e-4)
+    assert cache["auc"] == pytest.approx(torch_run["auc"], abs=2e-3)
+    check_counts(cache)
+    check_counts(nopass)
+    assert sum(p["tier_counts"]["created"] for p in nopass["passes"]) > 0  # on demand: rows created in lookups
+
+
+def test_temporary_directory_is_removed(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    summary = dlrm.run(dlrm.build_parser().parse_args(
+        [*TINY, "--passes", "1", "--samples-per-pass", "1024", "--eval-samples", "1024", "--batch", "1024"]))
+    assert summary["train_samples"] == 1024
+    assert os.listdir(scratch) == []
+
+
+def test_auc_rank_formula() -> None:
+    import torch
+
+    assert dlrm.auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == pytest.approx(0.75)
+    assert dlrm.auc(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0, 1, 1])) == pytest.approx(0.5)  # ties: mean rank
+    rng = np.random.default_rng(0)
+    s, y = rng.standard_normal(500), rng.integers(0, 2, 500)
+    pairs = np.mean([(si > sj) + 0.5 * (si == sj) for si, yi in zip(s, y, strict=True) if yi
+                     for sj, yj in zip(s, y, strict=True) if not yj])
+    assert dlrm.auc(torch.from_numpy(s), torch.from_numpy(y)) == pytest.approx(pairs)
+    assert np.isnan(dlrm.auc(torch.ones(3), torch.ones(3)))
+
+
+def test_generator_is_deterministic(tmp_path: Any) -> None:
+    cfg = SyntheticConfig(seed=3, scale=0.002)
+    a = generate_dataset(tmp_path / "a", cfg, [70_000, 1000], progress=False)
+    b = generate_dataset(tmp_path / "b", cfg, [70_000, 1000], progress=False)
+    c = generate_dataset(tmp_path / "c", SyntheticConfig(seed=4, scale=0.002), [70_000, 1000], progress=False)
+    for p in range(2):
+        for what in ("dense", "sparse", "label"):
+            assert filecmp.cmp(a.path(p, what), b.path(p, what), shallow=False), (p, what)
+            assert not filecmp.cmp(a.path(p, what), c.path(p, what), shallow=False), (p, what)
+    dense, sparse, label = a.arrays(0)
+    assert dense.shape == (70_000, N_DENSE) and dense.dtype == np.float32
+    assert sparse.shape == (70_000, N_SPARSE) and sparse.dtype == np.int64
+    assert label.shape == (70_000,) and label.dtype == np.float32
+    assert abs(float(label.mean()) - cfg.base_rate) < 0.02  # Criteo-like click rate
+    assert set(np.unique(label).tolist()) == {0.0, 1.0}
+    # ids are sparse int64 (both signs, far beyond the cardinality) and map back to item indices
+    assert sparse.min() < -(2**40) and sparse.max() > 2**40
+    items = cfg.items_of(np.asarray(sparse))
+    assert (items >= 0).all() and (items < np.asarray(cfg.cardinalities)).all()
+    for f in (0, 2, 8):
+        assert (cfg.ids_of(f, items[:, f]) == sparse[:, f]).all()
+    # Zipf popularity: the hottest id of a large feature takes far more than a uniform share
+    big = int(np.argmax(cfg.cardinalities))
+    _, counts = np.unique(sparse[:, big], return_counts=True)
+    assert counts.max() > 100 * len(sparse) / cfg.cardinalities[big]
+    assert SyntheticDataset(a.root).samples == [70_000, 1000]
+    batches = list(a.batches(1, 300))
+    assert [len(x.labels) for x in batches] == [300, 300, 300, 100]
+
+
+def test_generator_drifts_between_passes(tmp_path: Any) -> None:
+    cfg = SyntheticConfig(seed=0, scale=0.01, drift=0.05)
+    ds = generate_dataset(tmp_path / "d", cfg, 20_000, passes=3, progress=False)
+    big = int(np.argmax(cfg.cardinalities))
+    tops = []
+    for p in range(3):
+        ids, counts = np.unique(np.asarray(ds.arrays(p)[1][:, big]), return_counts=True)
+        tops.append(set(ids[np.argsort(-counts)[:20]].tolist()))
+    assert tops[0] != tops[1] != tops[2]  # new ids become hot
+    assert len(tops[0] & tops[1]) >= 5  # while much of the hot set stays
