@@ -12,9 +12,9 @@ venv="${EMBCACHE_VENV:-.venv}"
 if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    $sudo apt-get update -qq
+    $sudo apt-get -o DPkg::Lock::Timeout=300 update -qq
     # --no-install-recommends: the server and promtool only, no node exporter.
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 promtool --version 2>&1 | head -n 1
 
