@@ -58,6 +58,7 @@ from .errors import (
     TableConflictError,
     UnknownTableError,
 )
+from .fused import fused_available, fused_update
 from .init import init_rows
 from .keyset import Keyset, as_keysets
 from .metrics import LatencyHistogram
@@ -793,26 +794,34 @@ class EmbeddingCache:
     def _apply_checked(self, t: _Table, keys: torch.Tensor, grads: torch.Tensor) -> None:
         if keys.numel() == 0:
             return
-        ukeys, inverse = torch.unique(keys, return_inverse=True)
-        gsum = torch.zeros(ukeys.numel(), t.cfg.dim, dtype=torch.float32, device=self._device)
-        gsum.index_add_(0, inverse, grads)
-
-        def update(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            g = gsum[index.to(gsum.device)].to(weights.device)
-            return apply_update(t.cfg.optimizer, t.params, weights.to(torch.float32), state, g)
-
         with t.lock:
             self._table(t.cfg.name)
-            hslots = t.hbm.find(ukeys)
-            if t.hbm.capacity and bool((hslots >= 0).all()):
-                # every row in HBM (a pass's steady state): update in place, nothing to stage or place
-                hbm = t.hbm
+            hbm = t.hbm
+            if hbm.capacity and fused_available(hbm.weights):
+                # CPU: probe every key (no sort); when all are in HBM (a pass's steady state), one
+                # fused kernel dedups, sums and updates in place (embcache/fused.py)
+                slots = hbm.find(keys)
+                if bool((slots >= 0).all()):
+                    fused_update(t.cfg.optimizer, t.params, hbm.weights, hbm.state, hbm.dirty, slots,
+                                 grads.to(torch.float32), hbm.fused_scratch())
+                    t.stats.updates += keys.numel()
+                    return
+            ukeys, inverse = torch.unique(keys, return_inverse=True)
+            gsum = torch.zeros(ukeys.numel(), t.cfg.dim, dtype=torch.float32, device=self._device)
+            gsum.index_add_(0, inverse, grads)
+            hslots = hbm.find(ukeys)
+            if hbm.capacity and bool((hslots >= 0).all()):
+                # every row in HBM: update in place, nothing to stage or place
                 w = hbm.weights.index_select(0, hslots).to(torch.float32)
                 new_w, new_s = apply_update(t.cfg.optimizer, t.params, w, hbm.state.index_select(0, hslots), gsum)
                 hbm.weights.index_copy_(0, hslots, new_w.to(hbm.weights.dtype))
                 hbm.state.index_copy_(0, hslots, new_s)
                 hbm.dirty.index_fill_(0, hslots, True)
             else:
+                def update(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                    g = gsum[index.to(gsum.device)].to(weights.device)
+                    return apply_update(t.cfg.optimizer, t.params, weights.to(torch.float32), state, g)
+
                 self._modify(t, ukeys, update, hslots=hslots)
             t.stats.updates += keys.numel()
 

@@ -6,7 +6,13 @@ gathers the unique rows of a batch, upcasts their weights to float32, sums the g
 duplicate keys, and calls :func:`apply_update`, which returns the new weights and state.
 
 Semantics follow torch where torch has the rule, operation for operation, so that training
-through the cache reproduces ``torch.nn.Embedding(sparse=True)`` with a torch optimizer:
+through the cache reproduces ``torch.nn.Embedding(sparse=True)`` with a torch optimizer.
+:func:`torch_update` is that arithmetic in torch operations (the CUDA path). On the CPU,
+:func:`apply_update` and the cache's in-place update of resident rows run one fused numba kernel
+(:mod:`embcache.fused`) with the same operations, so a row's value never depends on its tier;
+it equals :func:`torch_update` bitwise for SGD and within float32 rounding (a few ulp) for the
+others, because torch's CPU ``sqrt`` is not correctly rounded and its ``mean`` sums in another
+order. "Bitwise equal" below is said of :func:`torch_update`.
 
 * ``"sgd"``: ``w -= lr * g``, as ``torch.optim.SGD``. Bitwise equal when no key repeats inside
   a batch; torch does not coalesce a sparse gradient and adds each duplicate's ``-lr * g_i``
@@ -45,7 +51,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["OPTIMIZERS", "OptimizerParams", "apply_update", "initial_state", "state_width"]
+__all__ = ["OPTIMIZERS", "OptimizerParams", "apply_update", "initial_state", "state_width", "torch_update"]
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
@@ -209,6 +215,35 @@ def apply_update(
     Raises:
         ConfigError: if the optimizer is unknown.
         ValueError: if a shape, dtype or device does not match.
+
+    On the CPU (with numba) the step runs in the fused kernel of :mod:`embcache.fused`, the same
+    arithmetic as the cache's in-place update of resident rows, so that a row's new value never
+    depends on the tier it was in; elsewhere it is :func:`torch_update`.
+    """
+    _check_batch(optimizer, weights, state, grads)
+    if weights.device.type == "cpu":
+        from .fused import FusedScratch, fused_available, fused_update
+
+        if fused_available(weights):
+            new_w, new_s = weights.clone(), state.clone()
+            n = weights.shape[0]
+            fused_update(optimizer, params, new_w, new_s, torch.zeros(n, dtype=torch.bool),
+                         torch.arange(n), grads, FusedScratch(n))
+            return new_w, new_s
+    return torch_update(optimizer, params, weights, state, grads)
+
+
+def torch_update(
+    optimizer: str,
+    params: OptimizerParams,
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    grads: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_update` in torch operations, in torch's own optimizers' operation order.
+
+    Bitwise equal to torch's sparse optimizers where the module docstring says so; the CUDA path
+    of the cache. Arguments, result and errors as :func:`apply_update`.
     """
     _check_batch(optimizer, weights, state, grads)
     g = grads

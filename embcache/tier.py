@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .fused import FusedScratch
 from .index import make_index
 from .types import Tier
 
@@ -117,6 +118,7 @@ class MemoryTier:
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.pins = torch.zeros(capacity, dtype=torch.int32, device=device)  # holders keeping a row resident
         self.index = make_index(max(capacity, 1), device)
+        self._fused_scratch: FusedScratch | None = None
         # Free slots as a stack; popping from the end hands out low slots first.
         self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
         self._n_free = capacity
@@ -141,6 +143,12 @@ class MemoryTier:
         if self.capacity == 0:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
         return self.index.find(keys.to(self.device))
+
+    def fused_scratch(self) -> FusedScratch:
+        """Scratch buffers of the fused update kernel for this tier (made on first use)."""
+        if self._fused_scratch is None:
+            self._fused_scratch = FusedScratch(self.capacity)
+        return self._fused_scratch
 
     def touch(self, slots: torch.Tensor, amounts: torch.Tensor, now: int) -> None:
         """Add ``amounts`` (float64 [n]) to the aged frequencies of ``slots`` (int64 [n], may repeat)."""

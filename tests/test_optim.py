@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from embcache.errors import ConfigError
-from embcache.optim import OPTIMIZERS, OptimizerParams, apply_update, initial_state, state_width
+from embcache.optim import OPTIMIZERS, OptimizerParams, initial_state, state_width
+from embcache.optim import (
+    torch_update as apply_update,  # the torch-operation reference; the fused CPU path: test_fused.py
+)
 
 N_ROWS = 50
 DIM = 8

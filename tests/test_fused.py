@@ -1,0 +1,65 @@
+"""The fused CPU update kernel against torch's arithmetic (torch_update) and apply_update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from embcache.fused import FusedScratch, fused_available, fused_update
+from embcache.optim import OPTIMIZERS, OptimizerParams, apply_update, state_width, torch_update
+
+pytestmark = pytest.mark.skipif(not fused_available(torch.zeros(1, 1)), reason="needs numba")
+
+
+def reference(optimizer: str, params: OptimizerParams, weights: torch.Tensor, state: torch.Tensor,
+              slots: torch.Tensor, grads: torch.Tensor, update: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unique slots, their new weights, their new state) by unique, index_add_ and ``update``."""
+    uniq, inverse = torch.unique(slots, return_inverse=True)
+    gsum = torch.zeros(uniq.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+    w, s = update(optimizer, params, weights[uniq], state[uniq], gsum)
+    return uniq, w, s
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("dim", [1, 7, 64])
+def test_fused_update_equals_apply_update(optimizer: str, weight_decay: float, dim: int) -> None:
+    gen = torch.Generator().manual_seed(dim)
+    capacity, n = 50, 300
+    weights = torch.randn(capacity, dim, generator=gen)
+    state = torch.rand(capacity, state_width(optimizer, dim), generator=gen)
+    if optimizer == "adam":
+        state[:, 2 * dim:] = torch.randint(0, 5, (capacity, 1), generator=gen).float()  # step counts
+    dirty = torch.zeros(capacity, dtype=torch.bool)
+    params = OptimizerParams(lr=0.05, eps=1e-8, beta1=0.9, beta2=0.999, weight_decay=weight_decay)
+    slots = torch.randint(0, capacity - 10, (n,), generator=gen)  # duplicates; the last 10 rows untouched
+    grads = torch.randn(n, dim, generator=gen)
+    grads_before, untouched = grads.clone(), (weights[-10:].clone(), state[-10:].clone())
+    uniq, want_w, want_s = reference(optimizer, params, weights, state, slots, grads, torch_update)
+    _, gathered_w, gathered_s = reference(optimizer, params, weights, state, slots, grads, apply_update)
+    scratch = FusedScratch(capacity)
+
+    assert fused_update(optimizer, params, weights, state, dirty, slots, grads, scratch) == uniq.numel()
+
+    if optimizer == "sgd":  # the same operations, the same roundings (fused multiply-add where torch has one)
+        assert torch.equal(weights[uniq], want_w) and torch.equal(state[uniq], want_s)
+    else:  # torch's CPU sqrt and mean round differently from IEEE sqrt and a serial sum
+        torch.testing.assert_close(weights[uniq], want_w, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state[uniq], want_s, rtol=1e-6, atol=1e-6)
+    # in place or on gathered rows, the CPU arithmetic is one kernel: a row's tier never shows
+    assert torch.equal(weights[uniq], gathered_w) and torch.equal(state[uniq], gathered_s)
+    assert torch.equal(weights[-10:], untouched[0]) and torch.equal(state[-10:], untouched[1])
+    assert torch.equal(dirty, torch.zeros(capacity, dtype=torch.bool).index_fill_(0, uniq, True))
+    assert torch.equal(grads, grads_before)
+    assert (scratch.pos == -1).all()  # the slot map is clean for the next call
+
+
+def test_fused_update_refuses_rows_it_cannot_update() -> None:
+    assert not fused_available(torch.zeros(2, 2, dtype=torch.float16))
+    params = OptimizerParams(lr=0.1, eps=1e-8, beta1=0.9, beta2=0.999)
+    with pytest.raises(RuntimeError, match="float32"):
+        fused_update("sgd", params, torch.zeros(2, 2, dtype=torch.float16), torch.zeros(2, 0),
+                     torch.zeros(2, dtype=torch.bool), torch.tensor([0]), torch.ones(1, 2), FusedScratch(2))
