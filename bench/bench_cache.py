@@ -71,6 +71,7 @@ import math
 import os
 import pstats
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,6 +112,7 @@ from _common import (  # noqa: E402
 from workloads import zipf_ranks  # noqa: E402
 
 from embcache import CacheConfig, EmbeddingCache, LookAhead, TableConfig  # noqa: E402
+from embcache.keyset import Keyset  # noqa: E402
 from embcache.stores import Store, open_store  # noqa: E402
 
 TABLE = "emb"
@@ -480,6 +482,23 @@ def prefill_store(dim: int, uniq: np.ndarray, path: str, seed: int) -> float:
     return time.perf_counter() - t0
 
 
+def passes_of(batches: list[np.ndarray], budget: int) -> list[tuple[Keyset, list[np.ndarray]]]:
+    """Consecutive batches grouped into passes whose keysets hold at most ``budget`` keys (setup, untimed)."""
+    passes: list[tuple[Keyset, list[np.ndarray]]] = []
+    group: list[np.ndarray] = []
+    seen = np.empty(0, dtype=np.int64)
+    for b in batches:
+        grown = np.union1d(seen, b)
+        if group and grown.size > budget:
+            passes.append((Keyset.from_keys(torch.from_numpy(np.concatenate(group))), group))
+            group, grown = [], np.unique(b)
+        group.append(b)
+        seen = grown
+    if group:
+        passes.append((Keyset.from_keys(torch.from_numpy(np.concatenate(group))), group))
+    return passes
+
+
 def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct: int, args: argparse.Namespace,
                work_dir: str) -> dict[str, Any]:
     """HBM 1% / DDR 10% / rest in RocksDB: the cache vs RocksDB direct vs a Python dict LRU.
@@ -502,8 +521,14 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
         "batch": batch, "dim": dim, "stored_rows": n_distinct, "hbm_rows": hbm_rows, "ddr_rows": ddr_rows,
         "warmup_accesses": n_warm * batch, "timed_accesses": n_seg * seg_rows, "segments": n_seg,
     }
+    # the pass contender: each segment split into passes whose keysets fit in 90% of HBM + DDR
+    budget = int(0.9 * (hbm_rows + ddr_rows))
+    warm_passes = passes_of(warm, budget)
+    seg_passes = [passes_of(seg, budget) for seg in segments]
+    result["pass_budget_rows"] = budget
+    result["passes_per_segment"] = statistics.median(len(p) for p in seg_passes)
     paths = {name: os.path.join(work_dir, f"tier-{batch}-{dim}-{name}")
-             for name in ("cache", "ahead", "rocksdb", "lru")}
+             for name in ("cache", "ahead", "passes", "rocksdb", "lru")}
     for p in paths.values():
         shutil.rmtree(p, ignore_errors=True)
         shutil.copytree(prefilled, p)
@@ -511,6 +536,7 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
                       device="cpu")
     cache = EmbeddingCache(cfg, [table_config(dim)])
     ahead_cache = EmbeddingCache(dataclasses.replace(cfg, path=paths["ahead"]), [table_config(dim)])
+    pass_cache = EmbeddingCache(dataclasses.replace(cfg, path=paths["passes"]), [table_config(dim)])
     rocks = open_store("rocksdb", os.path.join(paths["rocksdb"], STORE_SUBDIR))
     lru_store = open_store("rocksdb", os.path.join(paths["lru"], STORE_SUBDIR))
     profile = cProfile.Profile() if args.profile else None
@@ -532,6 +558,22 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
             for b in LookAhead(ahead_cache, seg, lambda b: {TABLE: keys[id(b)]}, depth=2):
                 ahead_cache.lookup(TABLE, keys[id(b)], out=out)
 
+        pass_of_segment = {id(seg): ps for seg, ps in zip([warm, *segments], [warm_passes, *seg_passes],
+                                                          strict=True)}
+
+        def pass_segment(seg: list[np.ndarray]) -> None:
+            # HugeCTR-style passes: the next pass's keyset is staged in the background while this
+            # one trains; the first pass of a segment is staged inside the timing (no head start)
+            passes = pass_of_segment[id(seg)]
+            pass_cache.prefetch({TABLE: passes[0][0]})
+            for i, (ks, pass_batches) in enumerate(passes):
+                pass_cache.begin_pass({TABLE: ks})
+                if i + 1 < len(passes):
+                    pass_cache.prefetch({TABLE: passes[i + 1][0]})
+                for b in pass_batches:
+                    pass_cache.lookup(TABLE, keys[id(b)], out=out)
+                pass_cache.end_pass()
+
         def rocks_lookup(b: np.ndarray) -> None:
             found, records = rocks.get_many(TABLE, b)
             out_np[...] = records[:, :wb].view(np.float32)
@@ -547,7 +589,8 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
             return run
 
         contenders: dict[str, Callable[[list[np.ndarray]], None]] = {
-            "cache": per_batch(cache_lookup), "cache_lookahead": ahead_segment, "rocksdb": per_batch(rocks_lookup),
+            "cache": per_batch(cache_lookup), "cache_lookahead": ahead_segment, "cache_passes": pass_segment,
+            "rocksdb": per_batch(rocks_lookup),
             "dict_lru": per_batch(lru_lookup)}
         warm_s: dict[str, float] = {}
         for name, fn in contenders.items():
@@ -589,9 +632,13 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
             result["cache_profile"] = profile_summary(profile)
         ahead = ahead_cache.stats()[TABLE]
         result["cache_lookahead_hit_rates"] = {t: ahead[t]["hits"] / ahead["lookups"] for t in ("hbm", "ddr", "ssd")}
+        ps = pass_cache.stats()[TABLE]
+        result["cache_passes_hit_rates"] = {t: ps[t]["hits"] / ps["lookups"] for t in ("hbm", "ddr", "ssd")}
+        result["cache_passes_begin_wait_seconds"] = ps["pass"]["wait_seconds"]
     finally:
         cache.close()
         ahead_cache.close()
+        pass_cache.close()
         rocks.close()
         lru_store.close()
         for p in paths.values():
@@ -603,6 +650,7 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
     result["speedup_bound_if_memory_were_free"] = unique / max(result["cache_store_rows_read_per_lookup"], 1e-12)
     result["vs_rocksdb"] = result["cache"]["rows_per_s"] / result["rocksdb"]["rows_per_s"]
     result["lookahead_vs_rocksdb"] = result["cache_lookahead"]["rows_per_s"] / result["rocksdb"]["rows_per_s"]
+    result["passes_vs_rocksdb"] = result["cache_passes"]["rows_per_s"] / result["rocksdb"]["rows_per_s"]
     result["vs_dict_lru"] = result["cache"]["rows_per_s"] / result["dict_lru"]["rows_per_s"]
     hr = result["cache_hit_rates"]
     print(f"  embcache {fmt_rate(result['cache']['rows_per_s'])} rows/s (hits: HBM {hr['hbm']:.1%}, "
@@ -612,6 +660,10 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
     ah = result["cache_lookahead_hit_rates"]
     print(f"  embcache + LookAhead(depth 2) {fmt_rate(result['cache_lookahead']['rows_per_s'])} rows/s "
           f"({result['lookahead_vs_rocksdb']:.2f}x RocksDB direct; lookups served by SSD {ah['ssd']:.1%})", flush=True)
+    ph = result["cache_passes_hit_rates"]
+    print(f"  embcache + passes (prefetch) {fmt_rate(result['cache_passes']['rows_per_s'])} rows/s "
+          f"({result['passes_vs_rocksdb']:.2f}x RocksDB direct; {result['passes_per_segment']} passes per segment; "
+          f"hits HBM {ph['hbm']:.1%} DDR {ph['ddr']:.1%} SSD {ph['ssd']:.1%})", flush=True)
     print(f"  embcache / RocksDB direct {result['vs_rocksdb']:.2f}x, / dict LRU {result['vs_dict_lru']:.2f}x; "
           f"store rows read per lookup: embcache {result['cache_store_rows_read_per_lookup']:.3f}, RocksDB direct "
           f"{unique:.3f} (bound {result['speedup_bound_if_memory_were_free']:.1f}x)", flush=True)
@@ -658,6 +710,8 @@ def summary_rows(hot: list[dict[str, Any]], tiered: list[dict[str, Any]]) -> lis
             r["rocksdb"]["rows_per_s"], TARGETS["tiered"])
         add(f"tiered lookup + LookAhead {tag}", r["cache_lookahead"]["rows_per_s"], "RocksDB multi-get direct",
             r["rocksdb"]["rows_per_s"], TARGETS["tiered"])
+        add(f"tiered lookup, passes + prefetch {tag}", r["cache_passes"]["rows_per_s"], "RocksDB multi-get direct",
+            r["rocksdb"]["rows_per_s"], TARGETS["tiered"])
         add(f"tiered lookup {tag}", r["cache"]["rows_per_s"], "Python dict LRU + RocksDB",
             r["dict_lru"]["rows_per_s"], None)
     return rows
@@ -684,9 +738,11 @@ def render_hits(tiered: list[dict[str, Any]]) -> str:
         body.append([f"B={r['batch']:,} d={r['dim']}", f"{r['stored_rows']:,}", f"{r['hbm_rows']:,}",
                      f"{r['ddr_rows']:,}", f"{h['hbm']:.1%}", f"{h['ddr']:.1%}", f"{h['ssd']:.1%}",
                      f"{r['dict_lru_hit_rate']:.1%}", f"{r['cache_store_rows_read_per_lookup']:.3f}",
-                     f"{r['rocksdb_rows_read_per_lookup']:.3f}", f"{r['speedup_bound_if_memory_were_free']:.1f}x"])
+                     f"{r['rocksdb_rows_read_per_lookup']:.3f}", f"{r['speedup_bound_if_memory_were_free']:.1f}x",
+                     f"{r['cache_passes_hit_rates']['ssd']:.1%}", f"{r['passes_per_segment']:g}"])
     return markdown_table(["tiered case", "rows stored", "HBM rows", "DDR rows", "HBM hits", "DDR hits", "SSD reads",
-                           "dict LRU hits", "store reads/key: embcache", "RocksDB direct", "bound"], body)
+                           "dict LRU hits", "store reads/key: embcache", "RocksDB direct", "bound",
+                           "SSD reads with passes", "passes per segment"], body)
 
 
 def plot(hot: list[dict[str, Any]], tiered: list[dict[str, Any]], path: str, title: str) -> None:
@@ -709,9 +765,11 @@ def plot(hot: list[dict[str, Any]], tiered: list[dict[str, Any]], path: str, tit
                        [f"B={r['batch']}\nd={r['dim']}" for r in tiered],
                        [{"embcache": r["cache"]["rows_per_s"],
                          "embcache + LookAhead": r.get("cache_lookahead", {}).get("rows_per_s"),
+                         "embcache + passes": r.get("cache_passes", {}).get("rows_per_s"),
                          "RocksDB direct": r["rocksdb"]["rows_per_s"],
                          "dict LRU": r["dict_lru"]["rows_per_s"]} for r in tiered]))
-    colors = {"embcache": "#1f77b4", "embcache + LookAhead": "#17becf", "index_select ceiling": "#7f7f7f",
+    colors = {"embcache": "#1f77b4", "embcache + LookAhead": "#17becf", "embcache + passes": "#9467bd",
+              "index_select ceiling": "#7f7f7f",
               "FBGEMM fwd": "#ff7f0e",
               "FBGEMM fwd+bwd": "#ff7f0e", "RocksDB direct": "#2ca02c", "dict LRU": "#d62728"}
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), squeeze=False)
