@@ -32,7 +32,7 @@ import torch
 
 from .optim import OPTIMIZERS, OptimizerParams
 
-__all__ = ["fused_available", "fused_update"]
+__all__ = ["fused_available", "fused_update", "segment_sum"]
 
 _KERNEL: dict[str, Any] = {}
 
@@ -183,6 +183,14 @@ def _kernel_py(opt: int, weights: Any, state: Any, dirty: Any, slots: Any, grads
     return u
 
 
+def _segment_sum_py(grads: Any, index: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """``out[index[i]] += grads[i]`` in order: the arithmetic of ``index_add_`` into zeros."""
+    for i in range(index.shape[0]):
+        r = index[i]
+        for j in range(grads.shape[1]):
+            out[r, j] += grads[i, j]
+
+
 def _build() -> Any:
     global _fma, _prefetch, _sum_squares
     import numba
@@ -190,6 +198,7 @@ def _build() -> Any:
     _fma, _prefetch = _fma_intrinsic(), _prefetch_intrinsic()
     # the sum of squares may be reassociated (vectorized); torch's mean reduces in its own order too
     _sum_squares = numba.njit(nogil=True, cache=True, inline="always", fastmath={"reassoc", "nsz"})(_sum_squares_py)
+    _KERNEL["segment_sum"] = numba.njit(nogil=True, cache=True)(_segment_sum_py)
     return numba.njit(nogil=True, cache=True)(_kernel_py)
 
 
@@ -250,3 +259,21 @@ def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor,
     return int(kernel(OPTIMIZERS.index(optimizer), weights.numpy(), state.numpy(), dirty.numpy(),
                       slots.contiguous().numpy(), grads.contiguous().numpy(), scratch.pos, uslots, gsum,
                       params.lr, params.eps, params.beta1, params.beta2, params.weight_decay))
+
+
+def segment_sum(grads: torch.Tensor, index: torch.Tensor, n_out: int) -> torch.Tensor:
+    """``zeros(n_out, dim).index_add_(0, index, grads)``, the same bits, without torch's slow CPU scatter.
+
+    torch's CPU ``index_add_`` took ~190 us for 2,048 x 16 floats (a scatter per element); a
+    serial numba loop takes a few. Elsewhere (CUDA, no numba) it is ``index_add_``.
+
+    Args:
+        grads: float32 [n, dim].
+        index: int64 [n], each in [0, n_out).
+        n_out: rows of the result.
+    """
+    out = torch.zeros(n_out, grads.shape[1], dtype=grads.dtype, device=grads.device)
+    if grads.device.type == "cpu" and grads.dtype == torch.float32 and _kernel() is not None:
+        _KERNEL["segment_sum"](grads.contiguous().numpy(), index.contiguous().numpy(), out.numpy())
+        return out
+    return out.index_add_(0, index, grads)

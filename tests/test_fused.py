@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from embcache.fused import FusedScratch, fused_available, fused_update
+from embcache.fused import FusedScratch, fused_available, fused_update, segment_sum
 from embcache.optim import OPTIMIZERS, OptimizerParams, apply_update, state_width, torch_update
 
 pytestmark = pytest.mark.skipif(not fused_available(torch.zeros(1, 1)), reason="needs numba")
@@ -63,3 +63,10 @@ def test_fused_update_refuses_rows_it_cannot_update() -> None:
     with pytest.raises(RuntimeError, match="float32"):
         fused_update("sgd", params, torch.zeros(2, 2, dtype=torch.float16), torch.zeros(2, 0),
                      torch.zeros(2, dtype=torch.bool), torch.tensor([0]), torch.ones(1, 2), FusedScratch(2))
+
+
+def test_segment_sum_is_index_add_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(0)
+    grads = torch.randn(500, 16, generator=gen) * torch.logspace(-6, 6, 500).unsqueeze(1)  # rounding shows
+    index = torch.randint(0, 40, (500,), generator=gen)
+    assert torch.equal(segment_sum(grads, index, 45), torch.zeros(45, 16).index_add_(0, index, grads))

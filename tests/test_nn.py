@@ -182,6 +182,31 @@ def test_bag_output_and_gradient_equal_torch(bag_cache: EmbeddingCache, batch: d
         assert not psw.grad.reshape(-1)[n_ref:].any()
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_one_key_bags_take_the_gather_path_and_equal_torch(make_cache: Any, mode: str, padding_idx: int | None) -> None:
+    """[B, 1] inputs (one categorical value per feature, as DLRM's) pool by a gather; same output and update."""
+    cache = make_cache(hbm_rows=4, ddr_rows=8, tables=[sgd1()])
+    before = rows_of(cache)
+    ref = torch_bag(cache, mode=mode, padding_idx=padding_idx)
+    bag = CachedEmbeddingBag(cache, "t", mode=mode, padding_idx=padding_idx)
+    input = torch.tensor([[3], [1], [7], [1], [3], [1], [0]])  # duplicates, and the padding key
+    psw = torch.linspace(-1.5, 2.0, 7).unsqueeze(1) if mode == "sum" else None
+    out = bag(input, per_sample_weights=psw)
+    expected = ref(input, per_sample_weights=psw)
+    assert torch.equal(out, expected)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (expected * upstream).sum().backward()
+    (out * upstream).sum().backward()
+    grad = ref.weight.grad
+    assert grad is not None
+    after = rows_of(cache)  # SGD with lr 1: each used row moved by minus its summed gradient
+    torch.testing.assert_close(after - before, -grad, rtol=0, atol=1e-6)
+    assert grad[1].abs().sum() > 0 and grad[2].abs().sum() == 0
+    if padding_idx is not None:
+        assert torch.equal(after[padding_idx], before[padding_idx])
+
+
 def test_arbitrary_int64_keys_pool_like_torch_on_their_rows(make_cache: Any) -> None:
     cache = make_cache(hbm_rows=4, ddr_rows=8, tables=[sgd1()])
     pool = torch.tensor([-(2**63), 2**63 - 1, -1, 0, 2**53 + 1, 123456789012345, -7])
