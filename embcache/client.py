@@ -249,7 +249,8 @@ def _as_values(what: str, values: Any, n: int, dim: int,
 
 
 def _finite(values: np.ndarray) -> bool:
-    return bool(np.isfinite(values.sum())) or bool(np.isfinite(values).all())
+    # torch's sum is about twice as fast as numpy's here; a sum that overflows is checked element-wise
+    return bool(torch.isfinite(torch.from_numpy(values).sum())) or bool(np.isfinite(values).all())
 
 
 def _merge_stats(shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -642,15 +643,14 @@ class Client:
     def _lookup(self, keys: Mapping[str, Any], outs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         dims = self._dims(list(keys))
         batch = {t: (_as_keys(k, self._max_batch_keys), None) for t, k in keys.items()}
-        result: dict[str, torch.Tensor] = {}
+        filled: dict[str, torch.Tensor] = {}
         for t, (k, _) in batch.items():
-            n, dim = k.shape[0], dims[t]
             out = outs.get(t)
-            if out is None:
-                out = torch.empty(n, dim, dtype=torch.float32)
-            elif out.shape != (n, dim) or out.dtype != torch.float32 or out.device.type != "cpu":
-                raise InvalidRowsError(f"out must be float32 [{n}, {dim}] on cpu")
-            result[t] = out
+            if out is not None:
+                n, dim = k.shape[0], dims[t]
+                if out.shape != (n, dim) or out.dtype != torch.float32 or out.device.type != "cpu":
+                    raise InvalidRowsError(f"out must be float32 [{n}, {dim}] on cpu")
+                filled[t] = out
         row_bytes = {t: 4 * d + 8 for t, d in dims.items()}
         calls: list[tuple[_Shard, str, Any]] = []
         layouts: list[list[_Part]] = []
@@ -666,15 +666,21 @@ class Client:
             for part, rows_msg in zip(chunk, tables, strict=True):
                 rows = codec.decode_tensor(rows_msg.rows, f"rows of table {part.table!r} from {shard.address}",
                                            InvalidRowsError, ("float32",), 2)
-                if rows.shape != (part.keys.shape[0], dims[part.table]):
+                n, dim = batch[part.table][0].shape[0], dims[part.table]
+                if rows.shape != (part.keys.shape[0], dim):
                     raise RemoteError(f"server {shard.address} sent rows {rows.shape} for "
-                                      f"{part.keys.shape[0]} keys of dim {dims[part.table]}")
-                out = result[part.table]
+                                      f"{part.keys.shape[0]} keys of dim {dim}")
+                out = filled.get(part.table)
+                if out is None and part.positions is None:  # the whole batch in one reply: its rows, in place
+                    filled[part.table] = wire.as_tensor(reply, rows)
+                    continue
+                if out is None:
+                    out = filled[part.table] = torch.empty(n, dim, dtype=torch.float32)
                 if part.positions is None:
                     out.numpy()[:] = rows
                 else:
                     out.numpy()[part.positions] = rows
-        return result
+        return {t: filled[t] if t in filled else torch.empty(0, dims[t], dtype=torch.float32) for t in batch}
 
     # ------------------------------------------------------------------ writes
     def apply_gradients(self, table: str, keys: Any, grads: Any) -> None:

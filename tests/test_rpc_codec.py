@@ -253,3 +253,35 @@ def test_wire_parser_accepts_unknown_fields_and_unpacked_shapes() -> None:
 def test_wire_parser_refuses_malformed_bytes(data: bytes) -> None:
     with pytest.raises(InvalidKeysError, match="malformed"):
         wire.parse_lookup_request(data)
+
+
+@pytest.mark.parametrize("name_len, n, dim", [(1, 8192, 64), (5, 3, 2), (120, 1, 3), (233, 127, 50), (64, 0, 4)])
+def test_wire_tensors_start_aligned_and_replies_fill_in_place(name_len: int, n: int, dim: int) -> None:
+    keys = np.arange(n, dtype=np.int64)
+    rows = np.arange(n * dim, dtype=np.float32).reshape(n, dim)
+    table = "t" * name_len
+    msg = wire.encode_values_request([(table, keys, rows), ("u", keys[:1], rows[:1])])
+    base = np.frombuffer(msg, dtype=np.uint8).__array_interface__["data"][0]
+    for view in wire.parse_values_request(msg):
+        for t in (view.keys, view.values):
+            if t.data.nbytes:  # every tensor's data is 16-byte aligned in the message: used in place
+                assert (np.frombuffer(t.data, dtype=np.uint8).__array_interface__["data"][0] - base) % 16 == 0
+    generated = pb.ApplyGradientsRequest.FromString(msg)  # the padding field is standard protobuf
+    assert generated.tables[0].values.data == rows.tobytes() and generated.tables[1].keys.data == keys[:1].tobytes()
+    reply, views = wire.new_lookup_response([(table, n, dim), ("u", 1, dim)])
+    views[0].copy_(torch.from_numpy(rows))
+    views[1].copy_(torch.from_numpy(rows[:1] if n else np.zeros((1, dim), dtype=np.float32)))
+    assert reply == wire.encode_lookup_response([(table, rows), ("u", views[1].numpy())])
+    (parsed, _) = wire.parse_lookup_response(reply)
+    got = wire.as_tensor(reply, codec.decode_tensor(parsed.rows, "rows", InvalidGradientError, ("float32",), 2))
+    assert torch.equal(got, torch.from_numpy(rows))
+    del reply, views
+    got += 1  # the rows are the caller's: writable, and they keep the reply alive
+    assert torch.equal(got, torch.from_numpy(rows) + 1)
+
+
+def test_unaligned_tensor_data_is_copied() -> None:
+    buf = b"\0" + np.array([1.5, 2.5], dtype="<f4").tobytes()
+    raw = wire.RawTensor(dtype="float32", shape=[2], data=memoryview(buf)[1:])  # at an odd address
+    arr = codec.decode_tensor(raw, "x", InvalidGradientError, ("float32",), 1)
+    assert arr.flags.aligned and arr.tolist() == [1.5, 2.5]

@@ -76,7 +76,8 @@ def decode_tensor(msg: pb.Tensor | RawTensor, what: str, error: type[EmbcacheErr
                   ndim: int, present: bool = True) -> np.ndarray:
     """The array a :class:`Tensor` message holds, after checking dtype, rank and byte length.
 
-    The result shares memory with the message's bytes (read-only); copy it before writing.
+    The result shares memory with the message's bytes (read-only; copy it before writing), unless
+    the data is not aligned to its dtype in them (then it is a copy).
 
     Args:
         msg: the message (or its view from :mod:`embcache.rpc.wire`).
@@ -108,6 +109,8 @@ def decode_tensor(msg: pb.Tensor | RawTensor, what: str, error: type[EmbcacheErr
     arr = np.frombuffer(data, dtype=dt).reshape(shape)
     if not dt.isnative:  # big-endian host
         arr = arr.astype(dt.newbyteorder("="))
+    elif not arr.flags.aligned:  # a sender that does not pad (Tensor.padding): torch and numba want alignment
+        arr = arr.copy()
     return arr
 
 

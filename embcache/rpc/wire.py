@@ -5,10 +5,14 @@ into the message, into the serialized buffer) and twice on the way in; for a bat
 8,192 x 64 floats that is half a millisecond per call, a third of what a raw gRPC echo of the
 same bytes costs. Here a message is written as a list of small headers and the tensor's own
 memory, joined once, and parsed into views (:class:`RawTensor` holds a ``memoryview`` of the
-received bytes). The encoding is standard protobuf (``proto/embcache/rpc/v1/embcache.proto``):
-any client or server using the generated classes, or grpcurl, reads and writes the same bytes,
-and the parser accepts every valid encoding (fields in any order, unknown fields, packed or
-unpacked shapes).
+received bytes). A Lookup reply is not even joined: the server allocates it once
+(:func:`new_lookup_response`) and the cache writes the rows straight into it; the client hands
+the rows to its caller in place (:func:`as_tensor`). For that, each tensor's data starts at a
+16-byte aligned offset, behind a ``padding`` field (Tensor field 15) that receivers ignore.
+
+The encoding is standard protobuf (``proto/embcache/rpc/v1/embcache.proto``): any client or
+server using the generated classes, or grpcurl, reads and writes the same bytes, and the parser
+accepts every valid encoding (fields in any order, unknown fields, packed or unpacked shapes).
 
 Parsing never trusts the input: a truncated or malformed message raises InvalidKeysError
 ("malformed ...") and tensor sizes are checked by :func:`embcache.rpc.codec.decode_tensor`.
@@ -16,10 +20,14 @@ Parsing never trusts the input: a truncated or malformed message raises InvalidK
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from ..errors import InvalidKeysError
 
@@ -27,9 +35,11 @@ __all__ = [
     "RawTensor",
     "TableKeysView",
     "TableValuesView",
+    "as_tensor",
     "encode_lookup_request",
     "encode_lookup_response",
     "encode_values_request",
+    "new_lookup_response",
     "parse_lookup_request",
     "parse_lookup_response",
     "parse_values_request",
@@ -41,6 +51,10 @@ _DTYPE_NAMES = {np.dtype("<i8"): b"int64", np.dtype("<i4"): b"int32", np.dtype("
 
 
 # ---------------------------------------------------------------------- encoding
+_ALIGN = 16  # tensor data starts at a multiple of this offset in the message (see _layout)
+_PAD_KEY = bytes([15 << 3 | _LEN])  # Tensor.padding (field 15): zeros written before data to align it
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while True:
@@ -57,8 +71,17 @@ def _key(field_no: int, wire_type: int) -> bytes:
     return _varint(field_no << 3 | wire_type)
 
 
-def _tensor_parts(arr: np.ndarray) -> tuple[list[bytes | memoryview], int]:
-    """The fields of a Tensor message (dtype, packed shape, data) and their total length."""
+@dataclass(frozen=True)
+class _Spec:
+    """What a Tensor message holds: wire dtype name, shape, byte length of data."""
+
+    dtype: bytes
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _spec(arr: np.ndarray) -> tuple[_Spec, np.ndarray]:
+    """The spec of a C-contiguous little-endian array, and that array (converted if needed)."""
     arr = np.ascontiguousarray(arr)
     wire = arr.dtype.newbyteorder("<")
     name = _DTYPE_NAMES.get(wire)
@@ -66,34 +89,127 @@ def _tensor_parts(arr: np.ndarray) -> tuple[list[bytes | memoryview], int]:
         raise TypeError(f"dtype {arr.dtype} has no wire form")
     if arr.dtype != wire:
         arr = arr.astype(wire)
-    shape = b"".join(_varint(int(s)) for s in arr.shape)
-    data = memoryview(arr).cast("B") if arr.size else memoryview(b"")  # type: ignore[arg-type]
-    head = (_key(1, _LEN) + _varint(len(name)) + name + _key(2, _LEN) + _varint(len(shape)) + shape
-            + _key(3, _LEN) + _varint(data.nbytes))
-    return [head, data], len(head) + data.nbytes
+    return _Spec(name, tuple(int(s) for s in arr.shape), arr.nbytes), arr
 
 
-def _table_entry(table: str, tensors: Sequence[np.ndarray]) -> tuple[list[bytes | memoryview], int]:
-    """A message ``{1: table, 2: tensor, 3: tensor, ...}`` (TableKeys, TableRows, TableValues)."""
-    name = table.encode()
-    parts: list[bytes | memoryview] = [_key(1, _LEN) + _varint(len(name)) + name]
-    size = len(parts[0])
-    for i, arr in enumerate(tensors):
-        tparts, tsize = _tensor_parts(arr)
-        head = _key(2 + i, _LEN) + _varint(tsize)
-        parts += [head, *tparts]
-        size += len(head) + tsize
-    return parts, size
+def _layout(entries: Sequence[tuple[str, Sequence[_Spec]]]) -> tuple[tuple[bytes, ...], tuple[int, ...], int]:
+    """The headers of a message whose field 1 repeats ``{1: table, 2: Tensor, 3: Tensor, ...}`` entries.
+
+    The message is ``heads[0] + data[0] + heads[1] + data[1] + ...``, one head per tensor: each
+    tensor's data is its message's last field and each entry's tensors are its last fields, so
+    everything between two tensors' data is one head. A ``padding`` field (15) in a Tensor,
+    before its data, makes every data offset a multiple of ``_ALIGN``: the receiver views rows
+    and gradients in place with their natural alignment (gRPC's buffers are 16-byte aligned).
+
+    Returns:
+        ``(heads, data offsets, total size)``.
+
+    Raises:
+        ValueError: an entry has no tensor.
+    """
+    return _layout_of(tuple((t, tuple(specs)) for t, specs in entries))
+
+
+def _vlen(n: int) -> int:
+    """Bytes of the varint of ``n``."""
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+@functools.lru_cache(maxsize=256)  # a training loop sends the same shapes again and again
+def _layout_of(entries: tuple[tuple[str, tuple[_Spec, ...]], ...]) -> tuple[tuple[bytes, ...], tuple[int, ...], int]:
+    if any(not specs for _, specs in entries):
+        raise ValueError("every table entry needs a tensor")
+    names = [_key(1, _LEN) + _varint(len(t.encode())) + t.encode() for t, _ in entries]
+    tensors = []  # (entry, field key, dtype and shape fields, data key and length, data bytes)
+    for i, (_, specs) in enumerate(entries):
+        for j, spec in enumerate(specs):
+            shape = b"".join(_varint(s) for s in spec.shape)
+            tensors.append((i, _key(2 + j, _LEN), _key(1, _LEN) + _varint(len(spec.dtype)) + spec.dtype + _key(2, _LEN)
+                            + _varint(len(shape)) + shape, _key(3, _LEN) + _varint(spec.nbytes), spec.nbytes))
+
+    def place(pads: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Tensor message sizes without data, entry sizes and data offsets for these padding field sizes."""
+        bodies = [len(a) + pad + len(b) for (_, _, a, b, _), pad in zip(tensors, pads, strict=True)]
+        sizes = [len(name) for name in names]
+        for (i, key, _, _, n), body in zip(tensors, bodies, strict=True):
+            sizes[i] += len(key) + _vlen(body + n) + body + n
+        offsets, pos, opened = [], 0, -1
+        for (i, key, _, _, n), body in zip(tensors, bodies, strict=True):
+            if i != opened:
+                pos += 1 + _vlen(sizes[i]) + len(names[i])
+                opened = i
+            pos += len(key) + _vlen(body + n) + body
+            offsets.append(pos)
+            pos += n
+        return bodies, sizes, offsets
+
+    def aligned(offsets: list[int], upto: int) -> bool:
+        return all(not tensors[m][4] or offsets[m] % _ALIGN == 0 for m in range(upto + 1))
+
+    # Tensor k's data offset depends on the paddings of tensors <= k, and on its entry's length
+    # varint, which precedes them all. First keep every entry's varint width fixed: an entry that
+    # paddings could lengthen past a width boundary is padded past it now. Then, tensor by tensor,
+    # the smallest padding field (0, or key + length + zeros) that aligns it cannot move the ones
+    # before it.
+    pads = [0] * len(tensors)
+    floor = [0] * len(tensors)
+    firsts: dict[int, int] = {}
+    for k, t in enumerate(tensors):
+        firsts.setdefault(t[0], k)
+    for i, size in enumerate(place(pads)[1]):
+        boundary = 128 ** _vlen(size)
+        slack = (2 * _ALIGN + 4) * sum(1 for t in tensors if t[0] == i)
+        if size + slack >= boundary:
+            floor[firsts[i]] = pads[firsts[i]] = max(2, boundary - size + 2)
+    for k in range(len(tensors)):
+        offsets = place(pads)[2]
+        if aligned(offsets, k):
+            continue
+        offset = offsets[k]
+        low = floor[k]
+        guess = pads[k] + (_ALIGN - offset % _ALIGN)  # right unless the tensor's length varint grows too
+        if guess == 1:
+            guess += _ALIGN
+        scan = (0, *range(2, 4 + 2 * _ALIGN)) if low == 0 else range(low, low + 2 * _ALIGN + 2)
+        for candidate in (guess, guess + _ALIGN - 1, *scan):
+            if candidate == 1 or candidate < low or candidate > 129:  # at most 127 zeros: a 1-byte length
+                continue
+            trial = [*pads[:k], candidate, *pads[k + 1:]]
+            if aligned(place(trial)[2], k):
+                pads = trial
+                break
+        else:  # not seen in practice: the rest stays unaligned (still a valid message; receivers copy)
+            break
+    bodies, sizes, offsets = place(pads)
+    heads, opened = [], -1
+    for (i, key, a, b, n), pad, body in zip(tensors, pads, bodies, strict=True):
+        head = key + _varint(body + n) + a + (_PAD_KEY + _varint(pad - 2) + bytes(pad - 2) if pad else b"") + b
+        if i != opened:  # the entry opens with its key, its length and the table name
+            head = _key(1, _LEN) + _varint(sizes[i]) + names[i] + head
+            opened = i
+        heads.append(head)
+    total = sum(len(h) for h in heads) + sum(t[4] for t in tensors)
+    return tuple(heads), tuple(offsets), total
 
 
 def _repeated_tables(entries: Sequence[tuple[str, Sequence[np.ndarray]]]) -> bytes:
-    """A message whose field 1 repeats table entries, joined once."""
-    out: list[bytes | memoryview] = []
+    """A message whose field 1 repeats table entries, joined once from the arrays' own memory."""
+    specs: list[tuple[str, list[_Spec]]] = []
+    arrays: list[np.ndarray] = []
     for table, tensors in entries:
-        parts, size = _table_entry(table, tensors)
-        out.append(_key(1, _LEN) + _varint(size))
-        out += parts
-    return b"".join(out)
+        row = []
+        for arr in tensors:
+            spec, arr = _spec(arr)
+            row.append(spec)
+            arrays.append(arr)
+        specs.append((table, row))
+    heads, _, _ = _layout(specs)
+    parts: list[bytes | memoryview] = []
+    for k, head in enumerate(heads):
+        parts.append(head)
+        if k < len(arrays) and arrays[k].size:
+            parts.append(memoryview(arrays[k]).cast("B"))  # type: ignore[arg-type]
+    return b"".join(parts)
 
 
 def encode_lookup_request(tables: Sequence[tuple[str, np.ndarray]]) -> bytes:
@@ -109,6 +225,84 @@ def encode_lookup_response(tables: Sequence[tuple[str, np.ndarray]]) -> bytes:
 def encode_values_request(tables: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> bytes:
     """An ApplyGradientsRequest or AssignRequest: ``[(table, keys [n], values [n, dim])]``."""
     return _repeated_tables([(t, (k, v)) for t, k, v in tables])
+
+
+_F32 = _Spec(b"float32", (), 0)
+
+
+def new_lookup_response(tables: Sequence[tuple[str, int, int]]) -> tuple[bytes, list[torch.Tensor]]:
+    """A LookupResponse to fill in place: its bytes, and a float32 [n, dim] tensor over each table's rows in them.
+
+    The reply is allocated once and the rows are written straight into it (by
+    ``EmbeddingCache.lookup(..., out=view)``), so no copy of the rows is made to encode it. The
+    bytes are complete once every view has been written; until then the row data is undefined.
+
+    Args:
+        tables: ``[(table, n, dim)]``.
+    """
+    specs = [(t, [_Spec(_F32.dtype, (n, dim), 4 * n * dim)]) for t, n, dim in tables]
+    heads, offsets, total = _layout(specs)
+    reply, address = _new_bytes(total)
+    pos = 0
+    views = []
+    for k, head in enumerate(heads):
+        _write(reply, address, pos, head)
+        pos += len(head)
+        if k < len(tables):
+            _, n, dim = tables[k]
+            views.append(_tensor_at(reply, address + offsets[k], (n, dim), torch.float32))
+            pos += 4 * n * dim
+    return reply, views
+
+
+def as_tensor(owner: bytes | memoryview, arr: np.ndarray) -> torch.Tensor:
+    """A writable tensor over ``arr``, a read-only view of the received message ``owner`` (no copy).
+
+    The message is a ``bytes`` object that only this tensor (and ``arr``) refer to, so the rows
+    can be handed to the caller in place, as a tensor from ``torch.empty`` would be; the tensor
+    keeps ``owner`` alive. Where the data is not aligned to its dtype (a sender that does not
+    pad), or the array is already a private copy, it is copied or used as it is.
+    """
+    if arr.flags.writeable:
+        return torch.from_numpy(arr)
+    address = arr.__array_interface__["data"][0]
+    if address % arr.dtype.itemsize or not arr.size:
+        return torch.from_numpy(arr.copy())
+    return _tensor_at(owner, address, arr.shape, _TORCH_DTYPES[arr.dtype.str])
+
+
+_TORCH_DTYPES = {"<f4": torch.float32, "<f2": torch.float16, "<f8": torch.float64, "<i8": torch.int64,
+                 "<i4": torch.int32}
+_bytes_new = ctypes.pythonapi.PyBytes_FromStringAndSize
+_bytes_new.restype = ctypes.py_object
+_bytes_new.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def _new_bytes(size: int) -> tuple[bytes, int]:
+    """An uninitialized ``bytes`` of ``size`` and its address: C's ``PyBytes_FromStringAndSize(NULL, size)``.
+
+    As in C, its contents are written before anyone else sees it.
+    """
+    if size == 0:
+        return b"", 0
+    reply: bytes = _bytes_new(None, size)
+    address = ctypes.cast(ctypes.c_char_p(reply), ctypes.c_void_p).value
+    assert address is not None
+    return reply, address
+
+
+def _write(reply: bytes, address: int, offset: int, data: bytes) -> None:
+    ctypes.memmove(address + offset, data, len(data))
+
+
+def _tensor_at(owner: object, address: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over ``prod(shape)`` elements at ``address`` inside ``owner``, which it keeps alive."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = (ctypes.c_char * nbytes).from_address(address)
+    buf._owner = owner  # type: ignore[attr-defined]  # the tensor holds buf, buf holds the message
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 # ---------------------------------------------------------------------- parsing

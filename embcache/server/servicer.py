@@ -185,7 +185,6 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         self._observe = observe
         self._checkpoint_root = os.path.realpath(checkpoint_root)
         self._stopping = threading.Event()
-        self._local = threading.local()
 
     def begin_shutdown(self) -> None:
         """Refuse new calls (UNAVAILABLE, marked not applied); calls already running finish."""
@@ -259,31 +258,28 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
 
     # ------------------------------------------------------------------ rows
     def Lookup(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        """Rows of several tables; counts accesses like the library's lookup."""
+        """Rows of several tables; counts accesses like the library's lookup.
+
+        The reply is allocated once and each table's rows are looked up straight into it (no
+        copy to encode them, no buffer per table).
+        """
         def lookup() -> bytes:
             tables = wire.parse_lookup_request(request)
             _unique_tables(tables, "Lookup")
             keys = {tk.table: _keys(tk) for tk in tables}
-            if len(keys) == 1:
-                (name, k), = keys.items()
-                rows = {name: self._lookup_one(name, k)}
-            else:
-                rows = self._cache.lookup_many(keys)
-            return wire.encode_lookup_response([(n, r.cpu().numpy()) for n, r in rows.items()])
+            known = self._cache.tables()
+            if any(name not in known for name in keys):  # the library raises UnknownTableError, having read nothing
+                rows = self._cache.lookup_many(keys)  # (or the table was created meanwhile)
+                return wire.encode_lookup_response([(n, r.cpu().numpy()) for n, r in rows.items()])
+            reply, views = wire.new_lookup_response([(n, k.numel(), known[n].dim) for n, k in keys.items()])
+            on_cpu = self._cache.device.type == "cpu"
+            for (name, k), out in zip(keys.items(), views, strict=True):
+                if on_cpu:
+                    self._cache.lookup(name, k, out=out)
+                else:  # the rows leave the device once, into the reply
+                    out.copy_(self._cache.lookup(name, k))
+            return reply
         return self._run("Lookup", context, lookup)
-
-    def _lookup_one(self, table: str, keys: torch.Tensor) -> torch.Tensor:
-        """One table's rows into this thread's reusable buffer (a fresh [n, dim] tensor costs page faults)."""
-        cfg = self._cache.tables().get(table)
-        if cfg is None or self._cache.device.type != "cpu":  # unknown: the library raises; CUDA: rows leave anyway
-            return self._cache.lookup(table, keys)
-        dim = cfg.dim
-        buffers: dict[str, torch.Tensor] = self._local.__dict__.setdefault("buffers", {})
-        buf = buffers.get(table)
-        n = keys.numel()
-        if buf is None or buf.shape[0] < n or buf.shape[1] != dim:
-            buf = buffers[table] = torch.empty(max(n, 1024), dim, dtype=torch.float32)
-        return self._cache.lookup(table, keys, out=buf[:n])
 
     def _apply(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(updates) == 1:
