@@ -19,7 +19,10 @@ missed). Measured error against exact replays (rate 1) on 4M-access Zipf traces 
 with HBM 40k / DDR 160k rows at rate 0.2: at most 0.003 (alpha 1.05) and 0.017 (alpha 0.8) in
 hit ratio over all ten points (``tests/test_mrc.py`` checks a smaller case).
 Cost on the lookup path: one hash per looked-up key (about 1.2 ns, numba); the shadows (a few
-heap operations per sampled key and shadow) run on a background thread.
+heap operations per sampled key and shadow) run on a background thread, which wakes once per
+``_WAKE_BATCHES`` batches (or every ``_WAKE_SECONDS``) and runs them all through each shadow in
+one call: per batch, ten shadow calls and a thread wake-up cost more than the sampled keys
+themselves (measured in the parameter server: 1.1-1.3 ms of CPU per lookup batch).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 _SMALLEST_SHADOW = 2048
 _RATE_BITS = 32
 _MAX_PENDING = 64
+_WAKE_BATCHES = 16
+_WAKE_SECONDS = 0.5
 
 
 @numba.njit(cache=True, nogil=True)
@@ -105,6 +110,7 @@ class MissRatioEstimator:
         self._pending: deque[tuple[np.ndarray, int]] = deque()
         self._thread: threading.Thread | None = None
         self._busy = False
+        self._draining = 0
         self._closed = False
         self.dropped_batches = 0
 
@@ -127,39 +133,55 @@ class MissRatioEstimator:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="embcache-mrc", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if len(self._pending) in (1, _WAKE_BATCHES):  # wake the idle thread; the full batch
+                self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._pending and not self._closed:
-                    self._cond.wait()
+                    self._cond.wait()  # idle: no timer
+                # then let batches gather for up to _WAKE_SECONDS
+                self._cond.wait_for(lambda: len(self._pending) >= _WAKE_BATCHES or self._draining > 0
+                                    or self._closed, _WAKE_SECONDS)
                 if self._closed:
                     return
-                batch = self._pending.popleft()
+                batches = list(self._pending)
+                self._pending.clear()
                 self._busy = True
             try:
-                self._process(*batch)
+                self._process(batches)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _process(self, sampled: np.ndarray, n_all: int) -> None:
-        n = sampled.shape[0]
+    def _process(self, batches: list[tuple[np.ndarray, int]]) -> None:
+        sizes = np.array([b[0].shape[0] for b in batches], dtype=np.int64)
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        keys = np.concatenate([b[0] for b in batches])
+        # after batch b, the counts of batches before it have decayed by decay ** n_b each
+        later = np.concatenate([np.cumsum(sizes[::-1])[::-1][1:], [0]])  # sampled keys after batch b
+        weights = self._decay ** later.astype(np.float64)
+        total_decay = self._decay ** float(bounds[-1])
+        n_all = np.array([b[1] for b in batches], dtype=np.float64)
         with self._lock:
             # shadows run in sampled ticks: a sampled key stands for 1/rate accesses
-            decay = self._decay**n
             for key, shadow in self._shadows.items():
-                hits = shadow.access(sampled, batch_ticks=n) if n else 0
-                self._hits[key] = self._hits[key] * decay + hits
-            self._seen = self._seen * decay + n
-            self._expected = self._expected * decay + n_all * self.rate
+                hits = shadow.access_batches(keys, bounds) if keys.shape[0] else np.zeros(len(batches))
+                self._hits[key] = self._hits[key] * total_decay + float(weights @ hits)
+            self._seen = self._seen * total_decay + float(weights @ sizes)
+            self._expected = self._expected * total_decay + float(weights @ n_all) * self.rate
 
     def drain(self, timeout: float = 60.0) -> None:
         """Wait until every observed batch has been run through the shadows."""
         with self._cond:
-            self._cond.wait_for(lambda: (not self._pending and not self._busy) or self._closed, timeout)
+            self._draining += 1
+            self._cond.notify_all()
+            try:
+                self._cond.wait_for(lambda: (not self._pending and not self._busy) or self._closed, timeout)
+            finally:
+                self._draining -= 1
 
     def close(self) -> None:
         """Stop the background thread (pending batches are dropped)."""

@@ -833,6 +833,18 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
     return hits
 
 
+@numba.njit(cache=True, nogil=True)
+def _lrfu_batches(keys: np.ndarray, bounds: np.ndarray, clock: np.ndarray, hk: np.ndarray, hs: np.ndarray,
+                  pos: Any, state: np.ndarray, sketch: np.ndarray, admission: bool, hits: np.ndarray) -> None:
+    """:func:`_lrfu_kernel` over consecutive batches ``keys[bounds[b]:bounds[b + 1]]`` in one call.
+
+    Each batch shares one increment and then moves the clock by its length; ``hits[b]`` gets its hits.
+    """
+    for b in range(bounds.shape[0] - 1):
+        lo, hi = bounds[b], bounds[b + 1]
+        hits[b] = _lrfu_kernel(keys[lo:hi], False, hi - lo, clock, hk, hs, pos, state, sketch, admission)
+
+
 class LrfuSim:
     """embcache's default policy (``lrfu`` with admission) as an exact, incremental simulator.
 
@@ -869,6 +881,19 @@ class LrfuSim:
         k = np.ascontiguousarray(keys, dtype=np.int64)
         return int(_lrfu_kernel(k, batch_ticks is None, int(batch_ticks or 0), self._clock, self._hk, self._hs,
                                 self._pos, self._state, self._sketch, self._admission))
+
+    def access_batches(self, keys: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        """Replay sampled batches ``keys[bounds[b]:bounds[b + 1]]`` as ``access(batch, len(batch))`` each.
+
+        One call for many batches (the per-call cost of a shadow is what the miss-ratio
+        estimator pays per batch). Returns the hits of each batch, int64 [len(bounds) - 1].
+        """
+        k = np.ascontiguousarray(keys, dtype=np.int64)
+        b = np.ascontiguousarray(bounds, dtype=np.int64)
+        hits = np.zeros(max(b.shape[0] - 1, 0), dtype=np.int64)
+        _lrfu_batches(k, b, self._clock, self._hk, self._hs, self._pos, self._state, self._sketch,
+                      self._admission, hits)
+        return hits
 
     def __len__(self) -> int:
         return int(self._state[0])
