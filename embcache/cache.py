@@ -44,7 +44,6 @@ from tqdm import tqdm
 
 from .config import CacheConfig, TableConfig
 from .errors import (
-    BatchTooLargeError,
     CacheClosedError,
     CheckpointExistsError,
     ConfigError,
@@ -60,6 +59,7 @@ from .errors import (
 )
 from .fused import fused_available, fused_update
 from .init import init_rows
+from .keys import as_key_tensor
 from .keyset import Keyset, as_keysets
 from .metrics import LatencyHistogram
 from .mrc import MissRatioEstimator
@@ -453,30 +453,10 @@ class EmbeddingCache:
             raise UnknownTableError(f"unknown table {name!r}; tables: {sorted(self._tables)}") from None
 
     def _keys(self, keys: Any) -> torch.Tensor:
-        if isinstance(keys, np.ndarray):
-            if keys.dtype.kind not in "iu":
-                raise InvalidKeysError(f"keys must be an integer array, got dtype {keys.dtype}")
-            if keys.dtype == np.uint64 and keys.size and keys.max() > np.iinfo(np.int64).max:
-                raise InvalidKeysError("keys must fit in int64; got uint64 values above 2**63-1")
-            keys = torch.from_numpy(keys.astype(np.int64, copy=False))
-        elif not isinstance(keys, torch.Tensor):
-            try:
-                arr = np.asarray(keys)
-            except (ValueError, TypeError) as exc:
-                raise InvalidKeysError(f"keys must be a 1-D int64 tensor, got {type(keys).__name__}") from exc
-            if arr.size == 0:
-                arr = arr.astype(np.int64)
-            return self._keys(arr)
-        if keys.dtype in (torch.bool,) or keys.dtype.is_floating_point or keys.dtype.is_complex:
-            raise InvalidKeysError(f"keys must be an integer tensor (int64 preferred), got dtype {keys.dtype}")
-        if keys.dim() != 1:
-            raise InvalidKeysError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
-        if keys.numel() > self._config.max_batch_keys:
-            raise BatchTooLargeError(
-                f"batch of {keys.numel()} keys exceeds max_batch_keys={self._config.max_batch_keys}; split it")
+        keys = as_key_tensor(keys, self._config.max_batch_keys)
         if keys.device.type not in ("cpu", self._device.type):
             raise InvalidKeysError(f"keys are on {keys.device}; allowed: cpu or {self._device}")
-        return keys.to(self._device, torch.int64)
+        return keys.to(self._device)
 
     def _rows_arg(self, what: str, values: Any, n: int, dim: int,
                   err: type[InvalidGradientError] | type[InvalidRowsError]) -> torch.Tensor:

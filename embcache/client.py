@@ -49,16 +49,15 @@ import torch
 
 from .config import TableConfig
 from .errors import (
-    BatchTooLargeError,
     CacheClosedError,
     ConfigError,
     EmbcacheError,
     InvalidGradientError,
-    InvalidKeysError,
     InvalidRowsError,
     NonFiniteGradientError,
     UnknownTableError,
 )
+from .keys import as_key_tensor
 from .keyset import Keyset, as_keysets
 from .rpc import codec, wire
 from .rpc.errors import (
@@ -210,28 +209,7 @@ def _read_pem(value: str | bytes | None) -> bytes | None:
 
 def _as_keys(keys: Any, max_batch_keys: int) -> np.ndarray:
     """int64 [n] numpy keys, checked like EmbeddingCache checks them."""
-    if isinstance(keys, torch.Tensor):
-        if keys.dtype == torch.bool or keys.dtype.is_floating_point or keys.dtype.is_complex:
-            raise InvalidKeysError(f"keys must be an integer tensor (int64 preferred), got dtype {keys.dtype}")
-        arr = keys.detach().cpu().numpy()
-    elif isinstance(keys, np.ndarray):
-        arr = keys
-    else:
-        try:
-            arr = np.asarray(keys)
-        except (ValueError, TypeError) as exc:
-            raise InvalidKeysError(f"keys must be a 1-D int64 tensor, got {type(keys).__name__}") from exc
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
-        raise InvalidKeysError(f"keys must be an integer array, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise InvalidKeysError(f"keys must be 1-D, got shape {tuple(arr.shape)}")
-    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
-        raise InvalidKeysError("keys must fit in int64; got uint64 values above 2**63-1")
-    if arr.shape[0] > max_batch_keys:
-        raise BatchTooLargeError(f"batch of {arr.shape[0]} keys exceeds max_batch_keys={max_batch_keys}; split it")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    return as_key_tensor(keys, max_batch_keys).cpu().numpy()
 
 
 def _as_values(what: str, values: Any, n: int, dim: int,

@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from .errors import ConfigError, InvalidKeysError
+from .keys import as_key_tensor
 
 __all__ = [
     "KEYSET_FORMAT",
@@ -140,18 +141,7 @@ class Keyset:
 
 
 def _as_key_tensor(keys: Any) -> torch.Tensor:
-    if isinstance(keys, torch.Tensor):
-        t = keys
-    else:
-        arr = np.asarray(keys)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise InvalidKeysError(f"keys must be integers, got dtype {arr.dtype}")
-        t = torch.from_numpy(arr.astype(np.int64, copy=False))
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise InvalidKeysError(f"keys must be an integer tensor, got dtype {t.dtype}")
-    return t.reshape(-1).to("cpu", torch.int64)
+    return as_key_tensor(keys, flatten=True).to("cpu")
 
 
 def as_keysets(keysets: Mapping[str, Any]) -> dict[str, Keyset]:
