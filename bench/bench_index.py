@@ -2,7 +2,9 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/bench_index.py
+    .venv/bin/python bench/bench_index.py                 # CPU indexes (+ TorchIndex on CUDA when present)
+    .venv/bin/python bench/bench_index.py --quick         # fewer repetitions, 2M ids (writes index-quick.json)
+    .venv/bin/python bench/bench_index.py --device cpu    # CPU indexes only (--device cuda: CUDA required)
 
 Setup: an index of capacity 1M (2**20) holding the 1M most popular of 10M ids (the steady state
 of a frequency-based cache), queried with batches of 65,536 keys drawn Zipf(alpha=1.05) over the
@@ -13,6 +15,10 @@ of a frequency-based cache), queried with batches of 65,536 keys drawn Zipf(alph
 - erase and insert rates: a batch of 65,536 resident keys erased and inserted back (at capacity);
 - a CPU tier's whole lookup, ``find`` then ``index_select`` of the found float32 rows (dim 128),
   as a fraction of ``index_select`` alone on the same slots (the brief asks >= 0.8).
+
+With ``--device cuda`` (or ``auto``, the default, on a machine with CUDA) the same cases also
+run for ``TorchIndex`` on the GPU ("TorchIndex (cuda)": keys, slots and the dim-128 rows on the
+device, each call timed between ``torch.cuda.synchronize()`` calls).
 
 Prints a Markdown table and writes ``bench/results/index.json``. A rate is batch size over the
 best (minimum) time of one batch across the repetitions (in rounds cycling through the indexes,
@@ -64,16 +70,40 @@ class DictIndex:
             pop(k)
 
 
-def timings(fn: Callable[[int], Any], reps: int, warmup: int = 2) -> list[float]:
-    """Wall times of ``fn(i)`` for ``i`` in ``range(reps)``, after ``warmup`` untimed calls."""
+def _no_sync() -> None:
+    pass
+
+
+def timings(fn: Callable[[int], Any], reps: int, warmup: int = 2, sync: Callable[[], None] = _no_sync) -> list[float]:
+    """Wall times of ``fn(i)`` for ``i`` in ``range(reps)``, after ``warmup`` untimed calls.
+
+    ``sync`` waits for queued device work (``torch.cuda.synchronize`` for a CUDA index): it is
+    called before and after each timed call.
+    """
     for i in range(warmup):
         fn(i)
     out = []
     for i in range(reps):
+        sync()
         t0 = time.perf_counter()
         fn(i)
+        sync()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def finder(index: Any, batches: torch.Tensor) -> Callable[[int], Any]:
+    """``i -> index.find(batches[i])``, cycling through the rows of ``batches`` ([n, batch])."""
+    return lambda i: index.find(batches[i % batches.shape[0]])
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when present, else the CPU; ``cuda`` without CUDA is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this machine")
+    return torch.device(name)
 
 
 def main() -> None:
@@ -84,8 +114,16 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=1.05)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "index.json"))
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="auto (default): also time TorchIndex on CUDA when present")
+    ap.add_argument("--quick", action="store_true", help="2M ids, 12 repetitions; writes index-quick.json")
+    ap.add_argument("--out", default=None, help="result file (default bench/results/index.json, or index-quick.json)")
     args = ap.parse_args()
+    if args.quick:
+        args.ids, args.reps = min(args.ids, 2_000_000), min(args.reps, 12)
+    if args.out is None:
+        args.out = os.path.join(HERE, "results", "index-quick.json" if args.quick else "index.json")
+    device = resolve_device(args.device)
     cap, batch, n_batches = args.capacity, args.batch, 16
 
     rng = np.random.default_rng(0)
@@ -110,13 +148,22 @@ def main() -> None:
         "TorchIndex (cpu)": lambda: TorchIndex(cap, "cpu"),
         "dict": DictIndex,
     }
+    cpu_data = {"zipf": zipf_batches, "uniform": uniform_batches, "resident": resident, "slots": slots,
+                "weights": weights, "rows_of": rows_of}
+    data_of: dict[str, dict[str, torch.Tensor]] = dict.fromkeys(makers, cpu_data)
+    sync_of: dict[str, Callable[[], None]] = dict.fromkeys(makers, _no_sync)
+    if device.type == "cuda":
+        makers["TorchIndex (cuda)"] = lambda: TorchIndex(cap, device)
+        data_of["TorchIndex (cuda)"] = {k: v.to(device) for k, v in cpu_data.items()}
+        sync_of["TorchIndex (cuda)"] = lambda: torch.cuda.synchronize(device)
     indexes: dict[str, Any] = {}
     for name, make in makers.items():
+        d = data_of[name]
         index = indexes[name] = make()
-        index.insert(resident, slots)
+        index.insert(d["resident"], d["slots"])
         for i in range(n_batches):  # every batch answered right before anything is timed
-            assert torch.equal(index.find(zipf_batches[i]), expect[i]), name
-            assert torch.equal(index.find(uniform_batches[i]), expect_uniform[i]), name
+            assert torch.equal(index.find(d["zipf"][i]).cpu(), expect[i]), name
+            assert torch.equal(index.find(d["uniform"][i]).cpu(), expect_uniform[i]), name
 
     # The machine may be shared: time in rounds that cycle through the indexes, so that a burst
     # of outside load hits all of them rather than one, and time index_select alone paired with
@@ -127,16 +174,20 @@ def main() -> None:
     for r in range(rounds):
         for name, index in indexes.items():
             reps = max(1, args.reps // rounds if name != "dict" else args.reps // (8 * rounds))
-            tn = t[name]
-            tn["zipf"] += timings(lambda i, ix=index: ix.find(zipf_batches[i % n_batches]), reps)
-            tn["uniform"] += timings(lambda i, ix=index: ix.find(uniform_batches[i % n_batches]), reps)
+            tn, d, sync = t[name], data_of[name], sync_of[name]
+            tn["zipf"] += timings(finder(index, d["zipf"]), reps, sync=sync)
+            tn["uniform"] += timings(finder(index, d["uniform"]), reps, sync=sync)
 
-            def pair(i: int, ix: Any = index, tn: dict[str, list[float]] = tn) -> None:
-                b = zipf_batches[i % n_batches]
+            def pair(i: int, ix: Any = index, tn: dict[str, list[float]] = tn, d: dict[str, torch.Tensor] = d,
+                     sync: Callable[[], None] = sync) -> None:
+                b = d["zipf"][i % n_batches]
+                sync()
                 t0 = time.perf_counter()
-                weights.index_select(0, rows_of[i % n_batches])
+                d["weights"].index_select(0, d["rows_of"][i % n_batches])
+                sync()
                 t1 = time.perf_counter()
-                weights.index_select(0, ix.find(b).clamp_min(0))
+                d["weights"].index_select(0, ix.find(b).clamp_min(0))
+                sync()
                 t2 = time.perf_counter()
                 tn["select"].append(t1 - t0)
                 tn["lookup"].append(t2 - t1)
@@ -149,11 +200,14 @@ def main() -> None:
                 # Erase one batch of resident keys and insert them back: the index stays at
                 # capacity, as a full tier's does under eviction.
                 j = ((r * (reps + 1) + i) * batch) % (cap - batch + 1)
-                keys, where = resident[j:j + batch], slots[j:j + batch]
+                keys, where = d["resident"][j:j + batch], d["slots"][j:j + batch]
+                sync()
                 t0 = time.perf_counter()
                 index.erase(keys)
+                sync()
                 t1 = time.perf_counter()
                 index.insert(keys, where)
+                sync()
                 t2 = time.perf_counter()
                 if i:
                     tn["erase"].append(t1 - t0)
@@ -162,9 +216,10 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     t_select: list[float] = []
     for name, index in indexes.items():
-        assert torch.equal(index.find(zipf_batches[0]), expect[0]), name
+        assert torch.equal(index.find(data_of[name]["zipf"][0]).cpu(), expect[0]), name
         tn = t[name]
-        t_select += tn["select"]
+        if data_of[name] is cpu_data:
+            t_select += tn["select"]
 
         def rates(stat: Callable[[list[float]], float], tn: dict[str, list[float]] = tn) -> dict[str, float]:
             return {
@@ -179,6 +234,7 @@ def main() -> None:
         best = rates(min)
         rows.append({
             "index": name,
+            "device": str(data_of[name]["zipf"].device),
             **best,
             "lookup_vs_index_select": best["lookup_rows_per_s"] / best["index_select_rows_per_s"],
             "lookup_vs_index_select_median_of_pairs": statistics.median(
@@ -188,7 +244,8 @@ def main() -> None:
         })
 
     result = {
-        "command": ".venv/bin/python bench/bench_index.py",
+        "command": " ".join([".venv/bin/python bench/bench_index.py", *sys.argv[1:]]),
+        "device": str(device),
         "capacity": cap,
         "ids": args.ids,
         "batch": batch,
@@ -218,10 +275,10 @@ def main() -> None:
     print("| index | find zipf (keys/s) | find uniform (keys/s) | erase (keys/s) | insert (keys/s) "
           f"| find + index_select dim {args.dim} (rows/s) | index_select alone (rows/s) | ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['index']} | {m(r['find_zipf_keys_per_s'])} | {m(r['find_uniform_keys_per_s'])} "
-              f"| {m(r['erase_keys_per_s'])} | {m(r['insert_keys_per_s'])} | {m(r['lookup_rows_per_s'])} "
-              f"| {m(r['index_select_rows_per_s'])} | {r['lookup_vs_index_select']:.2f} |")
+    for row in rows:
+        print(f"| {row['index']} | {m(row['find_zipf_keys_per_s'])} | {m(row['find_uniform_keys_per_s'])} "
+              f"| {m(row['erase_keys_per_s'])} | {m(row['insert_keys_per_s'])} | {m(row['lookup_rows_per_s'])} "
+              f"| {m(row['index_select_rows_per_s'])} | {row['lookup_vs_index_select']:.2f} |")
     print(f"\nwritten to {os.path.relpath(args.out)}")
 
 
