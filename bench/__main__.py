@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.readme import target_table, update_readme
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
@@ -101,8 +103,13 @@ def run_one(b: Bench, quick: bool, log_dir: Path, device: str = "auto") -> dict[
 
 
 def summaries(b: Bench, quick: bool) -> list[dict[str, Any]]:
-    """The ``summary`` rows of a benchmark's JSON result (empty when it has none)."""
+    """The ``summary`` rows of a benchmark's JSON result (empty when it has none).
+
+    In full mode a benchmark without a full result contributes its quick result's rows, marked.
+    """
     path = RESULTS / f"{b.result}{'-quick' if quick else ''}.json"
+    if not path.exists() and not quick:
+        path = RESULTS / f"{b.result}-quick.json"
     if not path.exists():
         return []
     doc = json.loads(path.read_text())
@@ -119,15 +126,7 @@ def render(runs: list[dict[str, Any]], rows: list[dict[str, Any]], quick: bool) 
              "| benchmark | status | seconds | command |", "| --- | --- | ---: | --- |"]
     for r in runs:
         lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.0f} | `{r.get('command', '')}` |")
-    lines += ["", "## Targets", "", "| benchmark | case | reference | ratio | target | met? |",
-              "| --- | --- | --- | ---: | ---: | --- |"]
-    for r in rows:
-        target = r.get("target")
-        lower = r.get("lower_is_better", False)
-        tgt = "—" if target is None else (f"<= {target:g}x" if lower else f">= {target:g}x")
-        met = "n/a" if target is None else ("yes" if r.get("met") else "**no**")
-        lines.append(f"| {r['bench']} | {r.get('case', '')} | {r.get('reference', '')} | {r['ratio']:.2f}x | "
-                     f"{tgt} | {met} |")
+    lines += ["", "## Targets", "", *target_table(rows, mark_quick=not quick)]
     return "\n".join(lines) + "\n"
 
 
@@ -159,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     stem.with_suffix(".json").write_text(json.dumps({"runs": runs, "targets": rows, "commit": _commit(),
                                                      "seconds": time.perf_counter() - t0}, indent=2))
     print(render(runs, rows, args.quick))
+    if not args.quick:
+        report = json.loads(stem.with_suffix(".json").read_text())
+        print("README.md performance section " + ("updated" if update_readme(report) else "not found (no markers)"))
     print(f"wrote {stem.with_suffix('.md')} ({time.perf_counter() - t0:.0f} s)")
     return 0 if all(r["status"] in ("ok", "missing", "not run") or str(r["status"]).startswith("skipped")
                     for r in runs) else 1

@@ -435,7 +435,7 @@ class EmbeddingCache:
         return {name: t.cfg for name, t in self._tables.items()}
 
     def row_bytes(self, table: str) -> int:
-        """Bytes of memory one resident row of ``table`` costs (weights, optimizer state, bookkeeping)."""
+        """Bytes of memory one resident row of ``table`` costs (weights, optimizer state, bookkeeping, key index)."""
         return self._table(table).hbm.row_bytes
 
     def capacity_rows(self, table: str) -> dict[str, int]:
@@ -1200,13 +1200,24 @@ class EmbeddingCache:
                 with t.lock:
                     if self._closed:
                         return written
-                    slots = tier.dirty_slots()[:_STAGE_CHUNK]
-                    if slots.numel() == 0:
-                        break
-                    self._write_store(t, tier.read(slots))
-                    tier.dirty[slots] = False
-                    written += int(slots.numel())
+                    n = self._write_dirty_chunk(t, tier)
+                if n == 0:
+                    break
+                written += n
         return written
+
+    def _write_dirty_chunk(self, t: _Table, tier: MemoryTier) -> int:
+        """Write up to ``_STAGE_CHUNK`` dirty rows of ``tier`` to the store (lock held); how many.
+
+        Chunks bound the memory a write-back needs (a copy of the rows, their records and
+        RocksDB's write batch) to about three times ``_STAGE_CHUNK`` rows, whatever the tiers hold.
+        """
+        slots = tier.dirty_slots()[:_STAGE_CHUNK]
+        if slots.numel() == 0:
+            return 0
+        self._write_store(t, tier.read(slots))
+        tier.dirty[slots] = False
+        return int(slots.numel())
 
     def _boosted_scores(self, t: _Table, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor,
                         wanted: Keyset | None) -> torch.Tensor:
@@ -1352,10 +1363,8 @@ class EmbeddingCache:
         for name in sorted(self._tables):
             t = self._tables[name]
             for tier in (t.hbm, t.ddr):
-                slots = tier.dirty_slots()
-                if slots.numel():
-                    self._write_store(t, tier.read(slots))
-                    tier.dirty[slots] = False
+                while self._write_dirty_chunk(t, tier):
+                    pass
             if save_frequencies:
                 for tier in (t.hbm, t.ddr):
                     slots = tier.occupied_slots()

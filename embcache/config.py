@@ -176,8 +176,8 @@ class CacheConfig:
         store_options: extra keyword options for the store backend.
         validate_memory: check capacities against the machine (default True).
         mrc_sample_rate: share of keys the online miss-ratio-curve estimator samples
-            (:mod:`embcache.mrc`); None = automatic (about 2,048 rows in its smallest shadow,
-            at most 1/64 of the keys), 0 = off. Policies
+            (:mod:`embcache.mrc`); None = automatic (about 512 rows in its smallest shadow,
+            at most 1/256 of the keys), 0 = off. Policies
             "lrfu" and "lfu" only (the shadows run those).
     """
 

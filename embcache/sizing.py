@@ -7,7 +7,7 @@ LFU, embcache's own policy (``lrfu``, with admission) and Belady's optimum (OPT,
 policy beats), at capacities from 0.1% to 100% of the distinct keys. It prints the curves,
 plots them (PNG), and finds by bisection the smallest capacity that reaches each target hit
 ratio, in rows and in bytes for the table's dim, dtype and optimizer (a resident row carries
-its weights, its optimizer state and 30 bytes of bookkeeping).
+its weights, its optimizer state, 42 bytes of bookkeeping and up to 64 bytes of key index).
 
 The HBM tier is sized for ``--hbm-hit`` (share of lookups served from HBM); HBM and DDR
 together for ``--memory-hit`` (share served from memory, i.e. not from the SSD): DDR gets the

@@ -20,13 +20,20 @@ from .types import Tier
 __all__ = ["MemoryTier", "RowBatch", "resident_row_bytes"]
 
 # Per-row bookkeeping besides weights and state: freq (8), last (8), key (8), occupied and
-# dirty (1 + 1), pins (4).
-_BOOKKEEPING_BYTES = 30
+# dirty (1 + 1), pins (4), the free-slot stack (8) and the fused update's slot map (4).
+_BOOKKEEPING_BYTES = 42
+# The key index: 16 bytes (key, slot) per entry, next_pow2(2 x rows) entries, i.e. 32 to 64
+# bytes per row; counted at its upper bound so that a tier never outgrows its byte budget.
+_INDEX_BYTES = 64
 
 
 def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
-    """Bytes one resident row costs in a memory tier (weights, optimizer state, bookkeeping)."""
-    return dim * torch.empty(0, dtype=dtype).element_size() + 4 * state_width + _BOOKKEEPING_BYTES
+    """Bytes one resident row costs in a memory tier: weights, optimizer state, bookkeeping, index.
+
+    A tier of ``budget`` bytes holds ``budget // resident_row_bytes(...)`` rows and, with
+    everything it allocates counted, stays within the budget.
+    """
+    return dim * torch.empty(0, dtype=dtype).element_size() + 4 * state_width + _BOOKKEEPING_BYTES + _INDEX_BYTES
 
 _touch_kernel: Any = None
 
@@ -134,7 +141,7 @@ class MemoryTier:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes one resident row costs (weights, state and bookkeeping)."""
+        """Bytes one resident row costs (weights, state, bookkeeping and key index)."""
         return resident_row_bytes(self.dim, self.weights.dtype, self.state.shape[1])
 
     # -- lookup --------------------------------------------------------------------------------

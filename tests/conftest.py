@@ -8,10 +8,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from embcache import CacheConfig, EmbeddingCache, TableConfig
+from embcache.optim import state_width
+from embcache.tier import resident_row_bytes
 
 STORES = ["rocksdb", "lmdb"]
 
@@ -23,9 +26,8 @@ def store(request: pytest.FixtureRequest) -> str:
 
 
 def row_bytes(dim: int, optimizer: str = "sgd") -> int:
-    """Memory bytes one fp32 row costs (must match MemoryTier.row_bytes)."""
-    width = {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim + 1}[optimizer]
-    return dim * 4 + width * 4 + 30
+    """Memory bytes one fp32 row costs (MemoryTier.row_bytes)."""
+    return resident_row_bytes(dim, torch.float32, state_width(optimizer, dim))
 
 
 @pytest.fixture

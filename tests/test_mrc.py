@@ -60,8 +60,8 @@ def test_factor_one_tracks_the_real_cache(make_cache: Any) -> None:
 
 
 def test_auto_rate_and_off_switch(make_cache: Any) -> None:
-    assert auto_sample_rate(1000) == 1 / 64  # capped: bounded background work
-    assert auto_sample_rate(10_000_000) == pytest.approx(2048 / 2_500_000)
+    assert auto_sample_rate(1000) == 1 / 256  # capped: bounded background work
+    assert auto_sample_rate(10_000_000) == pytest.approx(512 / 2_500_000)
     cache = make_cache(mrc_sample_rate=0)
     cache.lookup("t", torch.arange(10))
     assert cache.stats()["t"]["mrc"] is None

@@ -67,7 +67,7 @@ def test_command_line_writes_tables_plot_and_json(tmp_path: Any) -> None:
         cwd=_ROOT, capture_output=True, text=True, timeout=300, check=True)
     assert "| embcache (lrfu) |" in out.stdout and "HBM bytes" in out.stdout
     report = json.loads((tmp_path / "s.json").read_text())
-    assert report["row_bytes"] == 16 * 4 + 16 * 4 + 30  # weights, AdaGrad state, bookkeeping
+    assert report["row_bytes"] == 16 * 4 + 16 * 4 + 42 + 64  # weights, AdaGrad state, bookkeeping, index
     hbm = report["needed"]["embcache (lrfu)"]["hbm"]
     assert sim.lrfu_hits(small_trace(), hbm) >= 0.5 * 3000
     assert (tmp_path / "s.png").stat().st_size > 10_000
