@@ -47,7 +47,12 @@ Cases, each measured side by side in this one run:
    (per-key dict work in Python, one batched ``get_many`` for the misses of a batch). Per-tier
    hit rates are reported. Target: >= 20x RocksDB direct. The store's files were just
    written, so they sit in the OS page cache: RocksDB reads are warm-cache reads, which
-   favours the RocksDB peer.
+   favours the RocksDB peer. LMDB direct (``get_many`` on an LMDB store holding the same rows,
+   written with the same seed) is timed the same way. Two more embcache contenders: with
+   ``LookAhead`` (the next 2 batches staged in the background), and with the pass protocol
+   (each segment split into passes whose keysets fit in 90% of HBM + DDR; the next pass's
+   keyset is prefetched while the current one runs, the first pass of a segment is staged
+   inside the timing).
 
 Threads: every contender runs with the same thread count, 1 by default (``--threads``; torch's
 and numba's pools, and the FBGEMM subprocess). On a 2-core machine shared with other work,
@@ -468,11 +473,11 @@ class DictLRU:
         self.hits += len(keys) - missed
 
 
-def prefill_store(dim: int, uniq: np.ndarray, path: str, seed: int) -> float:
+def prefill_store(dim: int, uniq: np.ndarray, path: str, seed: int, store: str = "rocksdb") -> float:
     """Write rows for every id in ``uniq`` through a cache without memory tiers; returns seconds."""
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
-    cfg = CacheConfig(hbm_bytes=0, ddr_bytes=0, path=path, store="rocksdb", device="cpu")
+    cfg = CacheConfig(hbm_bytes=0, ddr_bytes=0, path=path, store=store, device="cpu")
     with EmbeddingCache(cfg, [table_config(dim)]) as cache:
         step = 1 << 17
         for i in range(0, len(uniq), step):
@@ -499,7 +504,8 @@ def passes_of(batches: list[np.ndarray], budget: int) -> list[tuple[Keyset, list
     return passes
 
 
-def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct: int, args: argparse.Namespace,
+def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, prefilled_lmdb: str, n_distinct: int,
+               args: argparse.Namespace,
                work_dir: str) -> dict[str, Any]:
     """HBM 1% / DDR 10% / rest in RocksDB: the cache vs RocksDB direct vs a Python dict LRU.
 
@@ -529,9 +535,10 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
     result["passes_per_segment"] = statistics.median(len(p) for p in seg_passes)
     paths = {name: os.path.join(work_dir, f"tier-{batch}-{dim}-{name}")
              for name in ("cache", "ahead", "passes", "rocksdb", "lru")}
-    for p in paths.values():
+    paths["lmdb"] = os.path.join(work_dir, f"tier-{batch}-{dim}-lmdb")
+    for name, p in paths.items():
         shutil.rmtree(p, ignore_errors=True)
-        shutil.copytree(prefilled, p)
+        shutil.copytree(prefilled_lmdb if name == "lmdb" else prefilled, p)
     cfg = CacheConfig(hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, path=paths["cache"], store="rocksdb",
                       device="cpu")
     cache = EmbeddingCache(cfg, [table_config(dim)])
@@ -539,6 +546,7 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
     pass_cache = EmbeddingCache(dataclasses.replace(cfg, path=paths["passes"]), [table_config(dim)])
     rocks = open_store("rocksdb", os.path.join(paths["rocksdb"], STORE_SUBDIR))
     lru_store = open_store("rocksdb", os.path.join(paths["lru"], STORE_SUBDIR))
+    lmdb = open_store("lmdb", os.path.join(paths["lmdb"], STORE_SUBDIR))
     profile = cProfile.Profile() if args.profile else None
     try:
         cap = cache.capacity_rows(TABLE)
@@ -579,6 +587,11 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
             out_np[...] = records[:, :wb].view(np.float32)
             found_all[0] &= bool(found.all())
 
+        def lmdb_lookup(b: np.ndarray) -> None:
+            found, records = lmdb.get_many(TABLE, b)
+            out_np[...] = records[:, :wb].view(np.float32)
+            found_all[0] &= bool(found.all())
+
         def lru_lookup(b: np.ndarray) -> None:
             lru.lookup(b, out_np)
 
@@ -590,7 +603,7 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
 
         contenders: dict[str, Callable[[list[np.ndarray]], None]] = {
             "cache": per_batch(cache_lookup), "cache_lookahead": ahead_segment, "cache_passes": pass_segment,
-            "rocksdb": per_batch(rocks_lookup),
+            "rocksdb": per_batch(rocks_lookup), "lmdb": per_batch(lmdb_lookup),
             "dict_lru": per_batch(lru_lookup)}
         warm_s: dict[str, float] = {}
         for name, fn in contenders.items():
@@ -641,6 +654,7 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
         pass_cache.close()
         rocks.close()
         lru_store.close()
+        lmdb.close()
         for p in paths.values():
             shutil.rmtree(p, ignore_errors=True)
     # RocksDB direct reads each distinct key of a batch once; the cache reads only its misses. If
@@ -652,9 +666,11 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct
     result["lookahead_vs_rocksdb"] = result["cache_lookahead"]["rows_per_s"] / result["rocksdb"]["rows_per_s"]
     result["passes_vs_rocksdb"] = result["cache_passes"]["rows_per_s"] / result["rocksdb"]["rows_per_s"]
     result["vs_dict_lru"] = result["cache"]["rows_per_s"] / result["dict_lru"]["rows_per_s"]
+    result["vs_lmdb"] = result["cache"]["rows_per_s"] / result["lmdb"]["rows_per_s"]
     hr = result["cache_hit_rates"]
     print(f"  embcache {fmt_rate(result['cache']['rows_per_s'])} rows/s (hits: HBM {hr['hbm']:.1%}, "
           f"DDR {hr['ddr']:.1%}, SSD {hr['ssd']:.1%}); RocksDB direct {fmt_rate(result['rocksdb']['rows_per_s'])} "
+          f"rows/s; LMDB direct {fmt_rate(result['lmdb']['rows_per_s'])} "
           f"rows/s; dict LRU {fmt_rate(result['dict_lru']['rows_per_s'])} rows/s (hit "
           f"{result['dict_lru_hit_rate']:.1%})", flush=True)
     ah = result["cache_lookahead_hit_rates"]
@@ -712,6 +728,8 @@ def summary_rows(hot: list[dict[str, Any]], tiered: list[dict[str, Any]]) -> lis
             r["rocksdb"]["rows_per_s"], TARGETS["tiered"])
         add(f"tiered lookup, passes + prefetch {tag}", r["cache_passes"]["rows_per_s"], "RocksDB multi-get direct",
             r["rocksdb"]["rows_per_s"], TARGETS["tiered"])
+        add(f"tiered lookup {tag}", r["cache"]["rows_per_s"], "LMDB get direct (same rows)",
+            r["lmdb"]["rows_per_s"], TARGETS["tiered"])
         add(f"tiered lookup {tag}", r["cache"]["rows_per_s"], "Python dict LRU + RocksDB",
             r["dict_lru"]["rows_per_s"], None)
     return rows
@@ -767,11 +785,12 @@ def plot(hot: list[dict[str, Any]], tiered: list[dict[str, Any]], path: str, tit
                          "embcache + LookAhead": r.get("cache_lookahead", {}).get("rows_per_s"),
                          "embcache + passes": r.get("cache_passes", {}).get("rows_per_s"),
                          "RocksDB direct": r["rocksdb"]["rows_per_s"],
+                         "LMDB direct": r.get("lmdb", {}).get("rows_per_s"),
                          "dict LRU": r["dict_lru"]["rows_per_s"]} for r in tiered]))
     colors = {"embcache": "#1f77b4", "embcache + LookAhead": "#17becf", "embcache + passes": "#9467bd",
               "index_select ceiling": "#7f7f7f",
               "FBGEMM fwd": "#ff7f0e",
-              "FBGEMM fwd+bwd": "#ff7f0e", "RocksDB direct": "#2ca02c", "dict LRU": "#d62728"}
+              "FBGEMM fwd+bwd": "#ff7f0e", "RocksDB direct": "#2ca02c", "LMDB direct": "#8c564b", "dict LRU": "#d62728"}
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), squeeze=False)
     for ax, (name, labels, groups) in zip(axes[0], panels, strict=True):
         series = list(groups[0])
@@ -863,14 +882,18 @@ def main() -> None:
                 prefilled = os.path.join(work_dir, f"prefill-{dim}")
                 shutil.rmtree(prefilled, ignore_errors=True)
                 secs = prefill_store(dim, uniq, prefilled, args.seed)
+                prefilled_lmdb = prefilled + "-lmdb"  # the same rows (same seed) in LMDB, for the LMDB peer
+                shutil.rmtree(prefilled_lmdb, ignore_errors=True)
+                prefill_store(dim, uniq, prefilled_lmdb, args.seed, store="lmdb")
                 print(f"[tiered] store prefilled with {len(uniq):,} rows of dim {dim} in {secs:.1f} s", flush=True)
                 for batch in args.batches:
                     print(f"[tiered] batch {batch:,}, dim {dim} ({args.tier_accesses:,} accesses, half warm-up)",
                           flush=True)
-                    r = run_tiered(batch, dim, ids, prefilled, len(uniq), args, work_dir)
+                    r = run_tiered(batch, dim, ids, prefilled, prefilled_lmdb, len(uniq), args, work_dir)
                     r["prefill_seconds"] = secs
                     tiered.append(r)
                 shutil.rmtree(prefilled, ignore_errors=True)
+                shutil.rmtree(prefilled_lmdb, ignore_errors=True)
     finally:
         if own_tmp:
             shutil.rmtree(work_dir, ignore_errors=True)

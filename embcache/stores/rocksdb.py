@@ -16,6 +16,7 @@ import os
 import shutil
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from itertools import islice
 from typing import Any, cast
@@ -28,6 +29,12 @@ from .base import TABLE_PREFIX, Store
 
 __all__ = ["RocksDBStore"]
 
+# Large reads are split into contiguous ranges of their sorted keys, read by several threads at
+# once: MultiGet releases the GIL, and many reads in flight keep a disk's queue busy. Measured
+# here, 65,536 random keys from a cold 1.6 GB store: 11K rows/s with one reader, 17K with 4,
+# 29K with 16, 36K with 32 (bench_big staged a pass from its cold 46 GB store at ~10K rows/s).
+_READ_THREADS = 16
+_PARALLEL_READ_MIN = 4096
 _META_CF = "__meta__"
 _DEFAULT_CF = "default"
 
@@ -78,6 +85,7 @@ class RocksDBStore(Store):
         self._meta: Any = None
         self._cfs: dict[str, Any] = {}
         self._handles: dict[str, rocksdict.ColumnFamily] = {}
+        self._readers: ThreadPoolExecutor | None = None  # large reads in parallel (see _multi_get)
         # After a failed write for lack of space RocksDB stops accepting writes (a sticky
         # background error) even once space is freed, and rocksdict cannot call DB::Resume:
         # the next operation reopens the database instead, replaying its WAL (nothing is lost).
@@ -172,7 +180,13 @@ class RocksDBStore(Store):
 
     def _multi_get(self, table: str, keys: list[bytes]) -> tuple[np.ndarray, bytes]:
         self._recover(write=False)
-        values = self._cfs[table].get(keys)  # one batched MultiGet; None where absent
+        cf = self._cfs[table]
+        if len(keys) >= _PARALLEL_READ_MIN:
+            step = -(-len(keys) // _READ_THREADS)
+            parts = [keys[i:i + step] for i in range(0, len(keys), step)]
+            values = [v for part in self._read_pool().map(cf.get, parts) for v in part]
+        else:
+            values = cf.get(keys)  # one batched MultiGet; None where absent
         # Records are never empty, so truthiness is exactly "found".
         found = np.fromiter(map(bool, values), dtype=np.bool_, count=len(keys))
         return found, b"".join(filter(None, values))
@@ -235,7 +249,15 @@ class RocksDBStore(Store):
         os.rmdir(directory)
         rocksdict.Checkpoint(self._db).create_checkpoint(directory)
 
+    def _read_pool(self) -> ThreadPoolExecutor:
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="embcache-store-read")
+        return self._readers
+
     def _close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
         # rocksdict keeps the database (and its LOCK) open while any column-family object or
         # handle refers to it, even after close(); drop them all before closing.
         cfs = [*self._cfs.values(), *([self._meta] if self._meta is not None else [])]
