@@ -21,6 +21,7 @@ table lock in name order. The store itself is shared and thread-safe.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import fcntl
 import json
@@ -971,6 +972,8 @@ class EmbeddingCache:
                 fut._finish(error=exc)
             else:
                 fut._finish(out)
+            finally:
+                _trim_heap()
 
         with self._global_lock:
             self._live.add(fut)
@@ -1188,6 +1191,8 @@ class EmbeddingCache:
                 fut.set_result(sum(self._write_back(t) for t in list(self._tables.values())))
             except BaseException as exc:
                 fut.set_exception(exc)
+            finally:
+                _trim_heap()
 
         self._worker_pool().submit(job)
         return fut
@@ -1373,6 +1378,7 @@ class EmbeddingCache:
                 self._store.put_meta(f"sketch/{name}", t.sketch.to_bytes())
                 self._store.put_meta(f"clock/{name}", json.dumps(t.clock.state()).encode())
         self._store.flush()
+        _trim_heap()
 
     def flush(self) -> None:
         """Write every dirty row to the store and make it durable (survives kill -9 and power loss).
@@ -1495,6 +1501,27 @@ class EmbeddingCache:
         with t.lock:
             mt = {"hbm": t.hbm, "ddr": t.ddr}[Tier(tier).value]
             return mt.keys[mt.occupied_slots()].cpu()
+
+
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Staging and write-back allocate and free chunk buffers from several threads; glibc keeps
+    the freed pages in per-thread arenas, so the process's resident memory grew by their sum
+    and stayed there (measured in ``bench/bench_big.py``). Called after each background job.
+    """
+    trim = _MALLOC_TRIM[0]
+    if trim is None:
+        try:
+            trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            trim = False
+        _MALLOC_TRIM[0] = trim
+    if trim:
+        trim(0)
+
+
+_MALLOC_TRIM: list[Any] = [None]
 
 
 def _all_finite(values: torch.Tensor) -> bool:
