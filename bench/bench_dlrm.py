@@ -3,7 +3,7 @@
 Run from the repository root::
 
     .venv/bin/python bench/bench_dlrm.py            # full: 3 configurations, ~15-20 min on 2 busy cores
-    .venv/bin/python bench/bench_dlrm.py --quick    # the main configuration, fewer passes: < 3 min
+    .venv/bin/python bench/bench_dlrm.py --quick    # the main configuration, fewer passes: ~1.5 min
 
 Workload: ``examples/dlrm.py`` on its synthetic Criteo-like data (``examples/synthetic.py``:
 13 dense features, 26 sparse features with Zipf popularity drifting from pass to pass), embedding
@@ -30,7 +30,7 @@ Configurations (full run): ``kaggle`` = DLRM's Criteo Kaggle architecture (botto
 13-512-256-64-16, top 367-512-256-1), batch 2048, 32 passes of 50,000 samples (the example's
 defaults; the headline); ``kaggle-b8k``: the same model with batch 8192, and ``light``: bottom
 13-64-16, top 367-128-64-1, batch 2048, where the embedding path dominates the step, both on 24
-passes of 20,000. ``--quick`` runs ``kaggle`` on 24 passes of 15,000 samples.
+passes of 20,000. ``--quick`` runs ``kaggle`` on 14 passes of 12,000 samples.
 
 Method: the contenders are open side by side (``examples.dlrm.Trainer``) and take turns pass by
 pass (the order rotates every pass), so a change in the load of this shared machine hits them
@@ -83,7 +83,7 @@ CONFIGS: dict[str, tuple[list[str], tuple[int, int]]] = {
     "kaggle-b8k": (["--batch", "8192", "--bottom-mlp", "512,256,64", "--top-mlp", "512,256"], (24, 20_000)),
     "light": (["--batch", "2048", "--bottom-mlp", "64", "--top-mlp", "128,64"], (24, 20_000)),
 }
-QUICK_DATA = (24, 15_000)
+QUICK_DATA = (14, 12_000)
 
 
 PROFILED_PASS = 4
@@ -146,7 +146,7 @@ def _summarize(s: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the kaggle configuration only, 24 passes of 15,000")
+    ap.add_argument("--quick", action="store_true", help="the kaggle configuration only, 14 passes of 12,000")
     ap.add_argument("--threads", type=int, default=1, help="torch/numba threads per contender (0 = all cores)")
     ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes")

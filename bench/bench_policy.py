@@ -21,7 +21,8 @@ is reported per workload as ``batch_repeat_share``.
 
 Outputs: a Markdown table per workload and a summary at 1% capacity (printed), the numbers as
 JSON in ``bench/results/policy.json`` and a plot of hit ratio against capacity per workload in
-``bench/results/policy.png``. ``--quick`` runs a smaller key space and trace (a few minutes);
+``bench/results/policy.png``. ``--quick`` runs a smaller key space and trace, three workloads
+and the default policy only (about a minute);
 ``--references-only`` skips embcache (no cache needed).
 """
 
@@ -362,7 +363,9 @@ def _json_safe(obj: Any) -> Any:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true", help="200k keys, 500k accesses (default 1M keys, 2M accesses)")
+    p.add_argument("--quick", action="store_true", help="100k keys, 250k accesses, the zipf-1.05, drifting and "
+                   "bursty workloads, embcache's default policy only (about 1 min; default: 1M keys, 2M accesses, "
+                   "every workload and policy)")
     p.add_argument("--references-only", action="store_true", help="skip embcache; reference simulators only")
     p.add_argument("--n-keys", type=int, default=None, help="key space size")
     p.add_argument("--n-accesses", type=int, default=None, help="trace length")
@@ -372,11 +375,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--capacities", type=float, nargs="+", default=list(CAPACITY_FRACTIONS), help="fractions of the key space"
     )
     p.add_argument("--workloads", nargs="+", default=None, choices=[w.name for w in WORKLOADS], metavar="NAME")
-    p.add_argument("--policies", nargs="+", default=list(EMBCACHE_POLICIES), help="embcache policies to run")
+    p.add_argument("--policies", nargs="+", default=None, help="embcache policies to run (default: all; quick: lrfu)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = p.parse_args(argv)
-    args.n_keys = args.n_keys or (200_000 if args.quick else 1_000_000)
-    args.n_accesses = args.n_accesses or (500_000 if args.quick else 2_000_000)
+    args.n_keys = args.n_keys or (100_000 if args.quick else 1_000_000)
+    args.n_accesses = args.n_accesses or (250_000 if args.quick else 2_000_000)
+    if args.policies is None:
+        args.policies = ["lrfu"] if args.quick else list(EMBCACHE_POLICIES)
+    if args.workloads is None and args.quick:  # stationary skew, drift and bursts: both kinds of workload
+        args.workloads = ["zipf-1.05", "drifting", "bursty"]
     return args
 
 
