@@ -53,6 +53,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from bench._common import machine_info, markdown_table, write_json  # noqa: E402
+from bench.bench_index import timings  # noqa: E402
 from bench.workloads import zipf_ranks  # noqa: E402
 from embcache import CacheConfig, EmbeddingCache, TableConfig  # noqa: E402
 from embcache.optim import state_width  # noqa: E402
@@ -80,21 +81,6 @@ def make_sync(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
-
-
-def timed(fn: Callable[[int], object], reps: int, warmup: int, sync: Callable[[], None]) -> list[float]:
-    """Seconds of each of ``reps`` calls ``fn(i)``, each between two synchronizations, after ``warmup`` calls."""
-    for i in range(warmup):
-        fn(i)
-    sync()
-    out = []
-    for i in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn(i)
-        sync()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def per_batch(fn: Callable[[torch.Tensor], object], batches: torch.Tensor) -> Callable[[int], object]:
@@ -139,9 +125,9 @@ def run_dim(dim: int, rows: int, batch: int, reps: int, n_batches: int, device: 
             pos = positions.to(device).view(n_batches, batch)
             keys = ids_dev[pos]
             before = cache.stats()[TABLE]
-            t_lookup = timed(per_batch(lambda k: cache.lookup(TABLE, k, out=buf), keys), reps, 3, sync)
-            t_update = timed(per_batch(lambda k: cache.apply_gradients(TABLE, k, grads), keys), reps, 3, sync)
-            t_select = timed(per_batch(lambda p: torch.index_select(weights, 0, p, out=buf), pos), reps, 3, sync)
+            t_lookup = timings(per_batch(lambda k: cache.lookup(TABLE, k, out=buf), keys), reps, 3, sync)
+            t_update = timings(per_batch(lambda k: cache.apply_gradients(TABLE, k, grads), keys), reps, 3, sync)
+            t_select = timings(per_batch(lambda p: torch.index_select(weights, 0, p, out=buf), pos), reps, 3, sync)
             after = cache.stats()[TABLE]
             looked = after["lookups"] - before["lookups"]
             contenders[trace_name] = {
