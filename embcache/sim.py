@@ -733,16 +733,71 @@ def _lrfu_cell(key: int, row: int, mask: int) -> int:
 SKETCH_SEEDS_NB = SKETCH_SEEDS.copy()
 
 
+# Key -> heap position of a shadow: open addressing with linear probing in an int64 [T, 2] array
+# of (key, position) pairs, T = next_pow2(2 x capacity), position -1 = empty (any int64 is a key).
+# A numba typed Dict did the same at ~4x the cost: a heap swap writes two positions, and a sift
+# does up to log2(capacity) swaps, so these writes were most of a shadow's time per access.
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
-def _heap_swap(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int, j: int) -> None:
-    hk[i], hk[j] = hk[j], hk[i]
-    hs[i], hs[j] = hs[j], hs[i]
-    pos[hk[i]] = i
-    pos[hk[j]] = j
+def _pos_home(key: int, mask: int) -> int:
+    x = np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)
+    return np.int64((x ^ (x >> np.uint64(29))) & np.uint64(mask))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _pos_find(pos: np.ndarray, key: int) -> int:
+    """Entry of ``key`` in ``pos``, or -1."""
+    mask = pos.shape[0] - 1
+    j = _pos_home(key, mask)
+    while pos[j, 1] >= 0:
+        if pos[j, 0] == key:
+            return j
+        j = (j + 1) & mask
+    return -1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _pos_put(pos: np.ndarray, key: int, value: int) -> None:
+    mask = pos.shape[0] - 1
+    j = _pos_home(key, mask)
+    while pos[j, 1] >= 0 and pos[j, 0] != key:
+        j = (j + 1) & mask
+    pos[j, 0] = key
+    pos[j, 1] = value
 
 
 @numba.njit(cache=True, nogil=True)
-def _heap_down(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int, size: int) -> None:
+def _pos_delete(pos: np.ndarray, key: int) -> None:
+    """Remove ``key``; the rest of its cluster shifts back (no tombstones)."""
+    mask = pos.shape[0] - 1
+    j = _pos_find(pos, key)
+    if j < 0:
+        return
+    pos[j, 1] = -1
+    i = j
+    while True:
+        i = (i + 1) & mask
+        if pos[i, 1] < 0:
+            return
+        # the entry at i may fill the hole at j iff j lies on its probe path (home .. i)
+        if ((i - _pos_home(pos[i, 0], mask)) & mask) >= ((i - j) & mask):
+            pos[j, 0] = pos[i, 0]
+            pos[j, 1] = pos[i, 1]
+            pos[i, 1] = -1
+            j = i
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _heap_swap(hk: np.ndarray, hs: np.ndarray, pos: np.ndarray, i: int, j: int) -> None:
+    hk[i], hk[j] = hk[j], hk[i]
+    hs[i], hs[j] = hs[j], hs[i]
+    _pos_put(pos, hk[i], i)
+    _pos_put(pos, hk[j], j)
+
+
+@numba.njit(cache=True, nogil=True)
+def _heap_down(hk: np.ndarray, hs: np.ndarray, pos: np.ndarray, i: int, size: int) -> None:
     while True:
         lo = 2 * i + 1
         if lo >= size:
@@ -758,7 +813,7 @@ def _heap_down(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int, size: int) -> N
 
 
 @numba.njit(cache=True, nogil=True)
-def _heap_up(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int) -> None:
+def _heap_up(hk: np.ndarray, hs: np.ndarray, pos: np.ndarray, i: int) -> None:
     while i > 0:
         p = (i - 1) // 2
         if hs[i] < hs[p]:
@@ -770,7 +825,7 @@ def _heap_up(hk: np.ndarray, hs: np.ndarray, pos: Any, i: int) -> None:
 
 @numba.njit(cache=True, nogil=True)
 def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.ndarray, hk: np.ndarray,
-                 hs: np.ndarray, pos: Any, state: np.ndarray, sketch: np.ndarray, admission: bool) -> int:
+                 hs: np.ndarray, pos: np.ndarray, state: np.ndarray, sketch: np.ndarray, admission: bool) -> int:
     """Replay ``keys`` through an LRFU cache (a min-heap of aged frequencies); returns the hits.
 
     ``clock`` = [now, t0, halflife] (ticks); ``state`` = [size, capacity]. With ``tick_each`` every
@@ -785,8 +840,9 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
         k = keys[i]
         if tick_each:
             inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
-        if k in pos:
-            idx = pos[k]
+        e = _pos_find(pos, k)
+        if e >= 0:
+            idx = pos[e, 1]
             hits += 1
             hs[idx] += inc
             _heap_down(hk, hs, pos, idx, size)
@@ -801,19 +857,19 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
                 if size < cap:
                     hk[size] = k
                     hs[size] = est
-                    pos[k] = size
+                    _pos_put(pos, k, size)
                     size += 1
                     _heap_up(hk, hs, pos, size - 1)
                 elif not admission or est > hs[0]:
                     vk, vs = hk[0], hs[0]
-                    del pos[vk]
+                    _pos_delete(pos, vk)
                     for r in range(4):
                         c = _lrfu_cell(vk, r, mask)
                         if sketch[r, c] < vs:
                             sketch[r, c] = vs
                     hk[0] = k
                     hs[0] = est
-                    pos[k] = 0
+                    _pos_put(pos, k, 0)
                     _heap_down(hk, hs, pos, 0, size)
         if tick_each:
             clock[0] += 1.0
@@ -835,7 +891,7 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
 
 @numba.njit(cache=True, nogil=True)
 def _lrfu_batches(keys: np.ndarray, bounds: np.ndarray, clock: np.ndarray, hk: np.ndarray, hs: np.ndarray,
-                  pos: Any, state: np.ndarray, sketch: np.ndarray, admission: bool, hits: np.ndarray) -> None:
+                  pos: np.ndarray, state: np.ndarray, sketch: np.ndarray, admission: bool, hits: np.ndarray) -> None:
     """:func:`_lrfu_kernel` over consecutive batches ``keys[bounds[b]:bounds[b + 1]]`` in one call.
 
     Each batch shares one increment and then moves the clock by its length; ``hits[b]`` gets its hits.
@@ -865,7 +921,8 @@ class LrfuSim:
         self._clock = np.array([0.0, 0.0, halflife if halflife is not None else float(max(16 * cap, 1024))])
         self._hk = np.zeros(max(cap, 1), dtype=np.int64)
         self._hs = np.zeros(max(cap, 1), dtype=np.float64)
-        self._pos = numba.typed.Dict.empty(numba.types.int64, numba.types.int64)
+        self._pos = np.zeros((_next_pow2(max(2 * cap, 16)), 2), dtype=np.int64)
+        self._pos[:, 1] = -1
         self._state = np.array([0, cap], dtype=np.int64)
         self._sketch = np.zeros((4, _next_pow2(max(4 * cap, 64))), dtype=np.float64)
         self._admission = admission
