@@ -7,7 +7,9 @@ FBGEMM venv without embcache) can import this file too.
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -19,6 +21,11 @@ from importlib import metadata
 from typing import Any
 
 __all__ = [
+    "PACKAGES",
+    "command_line",
+    "format_ratio",
+    "git_state",
+    "gpu_info",
     "interleaved_timings",
     "machine_info",
     "markdown_table",
@@ -29,6 +36,8 @@ __all__ = [
 ]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# versions recorded in every benchmark's header (None where a package is not installed)
+PACKAGES = ("torch", "numpy", "numba", "rocksdict", "lmdb", "grpcio")
 
 
 def timings(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
@@ -110,30 +119,109 @@ def _mem_total_bytes() -> int | None:
     return None
 
 
-def git_commit() -> str | None:
-    """``git rev-parse HEAD`` of the repository (read-only), or None outside a checkout."""
+def _git(*args: str) -> subprocess.CompletedProcess[str] | None:
     try:
-        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                             timeout=10, check=False)
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+                              check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return res.stdout.strip() or None
 
 
-def machine_info(packages: Sequence[str] = ("torch", "numpy", "numba", "rocksdict", "lmdb")) -> dict[str, Any]:
-    """Machine, OS, Python, package versions, thread settings, load and git commit."""
+def git_commit() -> str | None:
+    """``git rev-parse HEAD`` of the repository (read-only), or None outside a checkout."""
+    res = _git("rev-parse", "HEAD")
+    return (res.stdout.strip() or None) if res is not None and res.returncode == 0 else None
+
+
+def git_state() -> dict[str, Any]:
+    """The checkout measured: HEAD commit, its date, and whether the working tree differs from it.
+
+    ``git_dirty`` is True when ``git status --porcelain`` lists anything (modified, staged or
+    untracked files that git does not ignore); ``git_dirty_paths`` names up to 50 of them, so a
+    reader can tell whether the difference touched the code measured (``embcache/``, the script).
+    """
+    commit = git_commit()
+    out: dict[str, Any] = {"git_commit": commit, "git_commit_short": commit[:7] if commit else None,
+                           "git_commit_date": None, "git_dirty": None, "git_dirty_paths": []}
+    if commit is None:
+        return out
+    res = _git("show", "-s", "--format=%cI", commit)
+    if res is not None and res.returncode == 0:
+        out["git_commit_date"] = res.stdout.strip() or None
+    res = _git("status", "--porcelain")
+    if res is not None and res.returncode == 0:
+        paths = [line[3:] for line in res.stdout.splitlines() if line.strip()]
+        out["git_dirty"] = bool(paths)
+        out["git_dirty_paths"] = paths[:50]
+    return out
+
+
+def gpu_info() -> list[dict[str, Any]]:
+    """CUDA devices torch sees: name, memory, compute capability (empty without CUDA or torch)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        gpus.append({"index": i, "name": p.name, "memory_bytes": int(p.total_memory),
+                     "capability": f"{p.major}.{p.minor}"})
+    return gpus
+
+
+def command_line(script: str | None = None, argv: Sequence[str] | None = None) -> str:
+    """The command that ran the benchmark, relative to the repository root where it lies inside it.
+
+    Args:
+        script: the benchmark's file (default ``sys.argv[0]``).
+        argv: its arguments (default ``sys.argv[1:]``); pass them when ``main(argv)`` is called
+            in-process (a test), where ``sys.argv`` is the caller's.
+    """
+    def rel(path: str) -> str:
+        full = os.path.abspath(path)
+        return os.path.relpath(full, REPO_ROOT) if full.startswith(REPO_ROOT + os.sep) else path
+
+    exe = sys.executable
+    exe_rel = rel(exe) if exe else "python"
+    return " ".join([exe_rel, rel(script or sys.argv[0]), *(sys.argv[1:] if argv is None else argv)])
+
+
+def machine_info(packages: Sequence[str] = (), script: str | None = None,
+                 argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """THE header of every benchmark's JSON (its ``"machine"`` entry): where, with what, and when.
+
+    Call it when the benchmark starts. It records the machine (CPU model, cores, RAM, GPUs), the
+    OS, Python, the versions of :data:`PACKAGES` and of ``packages`` (None where not installed),
+    the git commit, its date and whether the working tree was dirty (:func:`git_state`), the
+    command line (:func:`command_line`), the start time (ISO 8601 UTC and Unix), the load average
+    at start, and torch's thread count. ``python -m bench`` reads ``git_commit``, ``git_dirty``
+    and ``started_at`` from it to say when each result was measured and whether it is stale.
+
+    Args:
+        packages: distributions to record besides :data:`PACKAGES`.
+        script: the benchmark's file, for the command line (default ``sys.argv[0]``).
+        argv: the benchmark's arguments (default ``sys.argv[1:]``).
+    """
+    now = time.time()
+    names = list(dict.fromkeys([*PACKAGES, *packages]))
     info: dict[str, Any] = {
+        "started_at": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(timespec="seconds"),
+        "unix_time": now,
+        "command": command_line(script, argv),
         "hostname": platform.node(),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "mem_total_bytes": _mem_total_bytes(),
+        "gpus": gpu_info(),
         "python": sys.version.split()[0],
-        "packages": package_versions(packages),
-        "git_commit": git_commit(),
+        "packages": package_versions(names),
+        **git_state(),
         "loadavg_at_start": list(os.getloadavg()),
-        "unix_time": time.time(),
     }
     try:
         import torch
@@ -143,6 +231,25 @@ def machine_info(packages: Sequence[str] = ("torch", "numpy", "numba", "rocksdic
     except ImportError:
         pass
     return info
+
+
+def format_ratio(ratio: float | None, target: float | None = None) -> str:
+    """A ratio as ``1.23x``, with more digits where two would hide which side of 1 or the target it lies.
+
+    ``0.997`` is printed ``0.997x``, not ``1.00x`` (which would read as a tie, or contradict a
+    "not met" next to a target of 1x); likewise ``0.8996`` against a 0.9x target. None or NaN
+    gives an em dash.
+    """
+    if ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
+        return "—"
+    if math.isinf(ratio):
+        return "inf"
+    marks = {1.0} | ({float(target)} if target is not None else set())
+    for digits in range(2, 6):
+        shown = float(f"{ratio:.{digits}f}")
+        if all((shown < m) == (ratio < m) and (shown > m) == (ratio > m) for m in marks):
+            return f"{ratio:.{digits}f}x"
+    return f"{ratio:.5f}x"
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

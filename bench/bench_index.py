@@ -20,19 +20,18 @@ With ``--device cuda`` (or ``auto``, the default, on a machine with CUDA) the sa
 run for ``TorchIndex`` on the GPU ("TorchIndex (cuda)": keys, slots and the dim-128 rows on the
 device, each call timed between ``torch.cuda.synchronize()`` calls).
 
-Prints a Markdown table and writes ``bench/results/index.json``. A rate is batch size over the
-best (minimum) time of one batch across the repetitions (in rounds cycling through the indexes,
-after a warm-up): on a shared machine the minimum is the least disturbed by other processes.
-Medians are in the JSON too; the lookup ratio there is also given as the median over back-to-back
-(index_select alone, lookup) pairs.
+Prints a Markdown table and writes ``bench/results/index.json``, ``index.md`` and ``index.png``
+(``index-quick.*`` with ``--quick``; ``--out DIR`` writes them to DIR instead). A rate is batch size
+over the median time of one batch across the repetitions (in rounds cycling through the indexes,
+after a warm-up); the JSON also has the rates at the fastest and slowest repetition (``best``,
+``worst``). The lookup ratio (find + index_select over index_select alone) is the ratio of the
+median rates, and also given as the median over back-to-back (index_select alone, lookup) pairs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from _common import format_ratio, machine_info, markdown_table, write_json  # noqa: E402
 from workloads import zipf_ranks  # noqa: E402
 
 from embcache.index import NumbaIndex, TorchIndex  # noqa: E402
@@ -106,7 +106,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (see the module docstring)."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--capacity", type=int, default=1 << 20)
     ap.add_argument("--ids", type=int, default=10_000_000)
@@ -117,12 +118,12 @@ def main() -> None:
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto (default): also time TorchIndex on CUDA when present")
     ap.add_argument("--quick", action="store_true", help="2M ids, 12 repetitions; writes index-quick.json")
-    ap.add_argument("--out", default=None, help="result file (default bench/results/index.json, or index-quick.json)")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="results directory (default bench/results)")
+    args = ap.parse_args(argv)
+    info = machine_info(script=__file__, argv=sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.ids, args.reps = min(args.ids, 2_000_000), min(args.reps, 12)
-    if args.out is None:
-        args.out = os.path.join(HERE, "results", "index-quick.json" if args.quick else "index.json")
+    stem = os.path.join(args.out, "index-quick" if args.quick else "index")
     device = resolve_device(args.device)
     cap, batch, n_batches = args.capacity, args.batch, 16
 
@@ -231,20 +232,24 @@ def main() -> None:
                 "index_select_rows_per_s": batch / stat(tn["select"]),
             }
 
-        best = rates(min)
+        med = rates(statistics.median)
         rows.append({
             "index": name,
             "device": str(data_of[name]["zipf"].device),
-            **best,
-            "lookup_vs_index_select": best["lookup_rows_per_s"] / best["index_select_rows_per_s"],
+            **med,
+            "lookup_vs_index_select": med["lookup_rows_per_s"] / med["index_select_rows_per_s"],
             "lookup_vs_index_select_median_of_pairs": statistics.median(
                 s / lk for s, lk in zip(tn["select"], tn["lookup"], strict=True)),
-            "median": rates(statistics.median),
+            "best": rates(min),
+            "worst": rates(max),
             "samples": {k: len(v) for k, v in tn.items()},
+            "seconds": tn,
         })
 
     result = {
-        "command": " ".join([".venv/bin/python bench/bench_index.py", *sys.argv[1:]]),
+        "benchmark": "key -> slot index: find, erase, insert; find + index_select vs index_select",
+        "command": info["command"],
+        "machine": info,
         "device": str(device),
         "capacity": cap,
         "ids": args.ids,
@@ -254,33 +259,68 @@ def main() -> None:
         "dim": args.dim,
         "reps": args.reps,
         "rounds": rounds,
-        "index_select_rows_per_s": batch / min(t_select),
+        "statistic": "median over repetitions (best/worst: fastest/slowest repetition)",
+        "index_select_rows_per_s": batch / statistics.median(t_select),
         "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "results": rows,
+        # the find + index_select ratio of each index (no target of its own here; the cache's is in bench_cache)
+        "summary": [{"case": f"find + index_select dim {args.dim}, {row['index']}", "ratio":
+                     row["lookup_vs_index_select"], "reference": "index_select alone (same slots)", "target": None}
+                    for row in rows],
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
 
     def m(x: float) -> str:
         return f"{x / 1e6:.1f}M"
 
-    print(f"capacity {cap:,} holding the {cap:,} hottest of {args.ids:,} ids; batch {batch:,}; Zipf alpha "
-          f"{args.alpha} (hit ratio {hit_ratio:.3f}); {torch.get_num_threads()} torch threads, "
-          f"{os.cpu_count()} cpus; best of {args.reps}\n")
-    print("| index | find zipf (keys/s) | find uniform (keys/s) | erase (keys/s) | insert (keys/s) "
-          f"| find + index_select dim {args.dim} (rows/s) | index_select alone (rows/s) | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        print(f"| {row['index']} | {m(row['find_zipf_keys_per_s'])} | {m(row['find_uniform_keys_per_s'])} "
-              f"| {m(row['erase_keys_per_s'])} | {m(row['insert_keys_per_s'])} | {m(row['lookup_rows_per_s'])} "
-              f"| {m(row['index_select_rows_per_s'])} | {row['lookup_vs_index_select']:.2f} |")
-    print(f"\nwritten to {os.path.relpath(args.out)}")
+    head = (f"capacity {cap:,} holding the {cap:,} hottest of {args.ids:,} ids; batch {batch:,}; Zipf alpha "
+            f"{args.alpha} (hit ratio {hit_ratio:.3f}); {torch.get_num_threads()} torch threads, "
+            f"{os.cpu_count()} cpus; median of {args.reps} repetitions")
+    table = markdown_table(
+        ["index", "find zipf (keys/s)", "find uniform (keys/s)", "erase (keys/s)", "insert (keys/s)",
+         f"find + index_select dim {args.dim} (rows/s)", "index_select alone (rows/s)", "ratio"],
+        [[row["index"], m(row["find_zipf_keys_per_s"]), m(row["find_uniform_keys_per_s"]), m(row["erase_keys_per_s"]),
+          m(row["insert_keys_per_s"]), m(row["lookup_rows_per_s"]), m(row["index_select_rows_per_s"]),
+          format_ratio(row["lookup_vs_index_select"])] for row in rows])
+    write_json(stem + ".json", result)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Key -> slot index rates\n\nCommand: `{info['command']}` (commit "
+                f"{str(info['git_commit'])[:7]}{', dirty tree' if info['git_dirty'] else ''}); {info['cpu_model']}."
+                f"\n\n{head}.\n\n{table}\n")
+    plot(rows, stem + ".png", head)
+    print(head + "\n")
+    print(table)
+    print(f"\nwrote {stem}.json/.md/.png")
+    return 0
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """Grouped bars (log keys/s): find zipf, find uniform, erase, insert per index, whiskers = fastest/slowest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [("find_zipf_keys_per_s", "find (Zipf)"), ("find_uniform_keys_per_s", "find (uniform)"),
+           ("erase_keys_per_s", "erase"), ("insert_keys_per_s", "insert"),
+           ("lookup_rows_per_s", "find + index_select")]
+    fig, ax = plt.subplots(figsize=(9, 4.4))
+    width = 0.8 / len(rows)
+    for j, row in enumerate(rows):
+        xs = [i + (j - (len(rows) - 1) / 2) * width for i in range(len(ops))]
+        med = [row[k] for k, _ in ops]
+        lo = [row[k] - row["worst"][k] for k, _ in ops]
+        hi = [row["best"][k] - row[k] for k, _ in ops]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=row["index"])
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(ops)), [label for _, label in ops])
+    ax.set_ylabel("keys/s (median; whiskers: fastest/slowest repetition)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

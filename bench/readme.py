@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench._common import format_ratio
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -51,25 +53,36 @@ def _plot(stem: str) -> str | None:
 
 
 def target_table(targets: Sequence[dict[str, Any]], mark_quick: bool = True) -> list[str]:
-    """Markdown lines of the targets table (a row from a quick result marked so with ``mark_quick``)."""
-    lines = ["| benchmark | case | reference | ratio | target | met? |", "| --- | --- | --- | ---: | ---: | --- |"]
+    """Markdown lines of the targets table (a row from a quick result marked so with ``mark_quick``).
+
+    The "measured at" column is the commit the row's result was measured at (``measured_commit``,
+    from the result's JSON), marked **stale** when the report found it older than the latest change
+    to ``embcache/`` or the benchmark's script. A ratio is shown with more than two digits where two
+    would hide which side of 1x or of the target it lies (0.997x, not 1.00x).
+    """
+    lines = ["| benchmark | case | reference | ratio | target | met? | measured at |",
+             "| --- | --- | --- | ---: | ---: | --- | --- |"]
     for r in targets:
         target = r.get("target")
         lower = r.get("lower_is_better", False)
         tgt = "—" if target is None else (f"<= {target:g}x" if lower else f">= {target:g}x")
-        met = "n/a" if target is None else ("yes" if r.get("met") else "**no**")
+        met = "n/a" if target is None or r.get("ratio") is None else ("yes" if r.get("met") else "**no**")
         quick = " (quick)" if mark_quick and str(r.get("result", "")).endswith("-quick.json") else ""
-        ratio = r.get("ratio")
-        shown = "—" if ratio is None else f"{ratio:.2f}x"
-        lines.append(f"| {r.get('bench', '')}{quick} | {r.get('case', '')} | {r.get('reference', '')} | {shown} | "
-                     f"{tgt} | {met} |")
+        commit = r.get("measured_commit")
+        measured = f"`{commit[:7]}`" if commit else "unknown"
+        if r.get("stale"):
+            measured += " **stale**"
+        lines.append(f"| {r.get('bench', '')}{quick} | {r.get('case', '')} | {r.get('reference', '')} | "
+                     f"{format_ratio(r.get('ratio'), target)} | {tgt} | {met} | {measured} |")
     return lines
 
 
 def section(report: dict[str, Any]) -> str:
     """The generated part of the performance section, in Markdown."""
     lines = [BEGIN, "", METHOD, "",
-             f"Targets of every issue, from `bench/results/report.md` (commit `{report.get('commit', '?')}`):", ""]
+             "Targets of every issue, from `bench/results/report.md` (each row names the commit its result was "
+             "measured at; **stale**: measured before the latest change to `embcache/` or the benchmark's script):",
+             ""]
     lines += target_table(report.get("targets", []))
     for title, stem in PLOTS:
         png = _plot(stem)
