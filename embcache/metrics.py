@@ -2,10 +2,13 @@
 
 The collector reads :meth:`EmbeddingCache.stats` at scrape time, so it costs nothing between
 scrapes. Names follow Prometheus conventions: counters end in ``_total`` (the client library
-appends it), sizes are in ``_bytes``, times in ``_seconds``, ratios in ``_ratio`` (0..1); labels
-are ``table``, ``tier`` (``hbm``, ``ddr``, ``ssd``), ``op`` (``read``, ``write``) and
-``capacity_factor`` (five values), all bounded sets. Hit ratios are left to recording rules
-(``deploy/prometheus/rules/embcache.rules.yml``), not exported as gauges.
+appends it), sizes are in ``_bytes``, times in ``_seconds``, ratios in ``_ratio`` (0..1, never
+"rate", which reads as per second); labels are ``table``, ``tier`` (``hbm``, ``ddr``, ``ssd``),
+``op`` (``read``, ``write``) and ``capacity_factor`` (five values), all bounded sets. The real
+tiers' hit ratios are left to recording rules (``deploy/prometheus/rules/embcache-recording.yml``:
+a ratio of summed counters aggregates over shards), not exported as gauges; the only ratios
+exported are the estimator's (``embcache_mrc_hit_ratio``, ``embcache_mrc_sampling_ratio``),
+which have no counters behind them.
 
 Per tier, ``hits + misses`` is the key occurrences that reached the tier: all lookups for
 ``hbm``, HBM's misses for ``ddr``, DDR's misses for ``ssd`` (whose misses are the rows created
@@ -207,10 +210,15 @@ def _pass_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                                  labels=["table"])
     seconds = CounterMetricFamily("embcache_prefetch_busy_seconds", "Time the prefetch worker spent staging",
                                   labels=["table"])
-    # Exported once the cache reports them (see deploy/README.md, "Metrics").
+    # Reported by EmbeddingCache.stats(); left out for a stats() that lacks them (nothing is made up).
     started = CounterMetricFamily("embcache_passes_started", "Passes begun (begin_pass calls)", labels=["table"])
     waited = CounterMetricFamily("embcache_pass_wait_seconds",
                                  "Time begin_pass waited for an unfinished prefetch", labels=["table"])
+    # The counters above move only when a prefetch or a wait finishes, so a stuck prefetch shows
+    # nowhere in them; its age does. Exported where stats()[t]["prefetch"] has "running_seconds".
+    running = GaugeMetricFamily("embcache_prefetch_running_seconds",
+                                "Age of the oldest unfinished prefetch of the table (queued or staging), "
+                                "0 when none runs", labels=["table"])
     for table, s in stats.items():
         for tier in ("hbm", "ddr"):
             pinned.add_metric([table, tier], s[tier].get("pinned_rows", 0))
@@ -226,29 +234,32 @@ def _pass_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         f = s.get("prefetch", {})
         staged.add_metric([table], f.get("staged_rows", 0))
         seconds.add_metric([table], f.get("seconds", 0.0))
+        if "running_seconds" in f:
+            running.add_metric([table], f["running_seconds"])
     yield from (pinned, active, keyset, pass_pinned, outside, staged, seconds)
-    yield from (fam for fam in (started, waited) if fam.samples)
+    yield from (fam for fam in (started, waited, running) if fam.samples)
 
 
 def _mrc_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
-    """The online miss-ratio curve (:mod:`embcache.mrc`) and its sampling rate."""
+    """The online miss-ratio curve (:mod:`embcache.mrc`) and the share of keys it samples."""
     mrc = GaugeMetricFamily(
         "embcache_mrc_hit_ratio",
         "Estimated hit ratio at capacity_factor x the tier's capacity (online shadow caches, embcache.mrc); "
         "tier=hbm: HBM alone, tier=ddr: HBM or DDR (not from the SSD) with both tiers scaled",
         labels=["table", "tier", "capacity_factor"])
-    rate = GaugeMetricFamily("embcache_mrc_sample_rate", "Share of keys the miss-ratio estimator samples",
-                             labels=["table"])
+    sampling = GaugeMetricFamily("embcache_mrc_sampling_ratio",
+                                 "Share of keys the miss-ratio estimator samples (0..1; a fraction, not per second)",
+                                 labels=["table"])
     for table, s in stats.items():
         m = s.get("mrc")
         if not m:
             continue
-        rate.add_metric([table], m["sample_rate"])
+        sampling.add_metric([table], m["sample_rate"])
         for tier in ("hbm", "ddr"):
             for factor, ratio in m[tier].items():
                 if ratio == ratio:  # NaN until something was sampled: leave the series out
                     mrc.add_metric([table, tier, factor], ratio)
-    yield from (mrc, rate)
+    yield from (mrc, sampling)
 
 
 def _filesystem_metrics(path: Any) -> Iterator[Metric]:

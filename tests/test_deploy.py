@@ -49,11 +49,21 @@ MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 
 # Metrics the dashboard and rules use that an embedded cache does not export: the server's request
-# histogram (checked against a live server below), and three that wait on timing hooks in the
-# cache (deploy/README.md, "Metrics").
+# histogram (checked against a live server below).
 NOT_FROM_EMBEDDED_CACHE = {
     "embcache_rpc_request_duration_seconds",
 }
+# Metrics the rules use that wait on a field of EmbeddingCache.stats() (deploy/README.md, "Metrics"):
+# metric -> (stats section, field). Once stats() reports the field, the metric must be exported.
+WAITING_ON_STATS = {
+    "embcache_prefetch_running_seconds": ("prefetch", "running_seconds"),
+}
+
+
+def not_exported_yet(stats: dict[str, Any]) -> set[str]:
+    """The metrics of WAITING_ON_STATS whose field ``stats()`` does not report yet."""
+    first = next(iter(stats.values()))
+    return {name for name, (section, field) in WAITING_ON_STATS.items() if field not in first[section]}
 
 
 def missing(what: str) -> None:
@@ -257,13 +267,12 @@ def fetch(url: str, timeout: float = 10) -> str:
 
 
 def test_metrics_pass_promtool_check_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
-    cache, port = exporter
+    _, port = exporter
     text = fetch(f"http://127.0.0.1:{port}/metrics")
     families = set(re.findall(r"^# TYPE (embcache_\w+) ", text, re.M))
     assert len(families) >= 30, families
     assert {"embcache_tier_misses_total", "embcache_store_filesystem_avail_bytes", "embcache_mrc_hit_ratio"} <= families
-    if "read_latency" in cache.stats()["user"]["ssd"]:  # once the cache times its store operations
-        assert "embcache_ssd_op_duration_seconds" in families
+    assert "embcache_ssd_op_duration_seconds" in families  # the cache times its store operations
     out = run([tool("promtool"), "check", "metrics"], stdin=text)
     assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
     # The same check complains about a counter without _total and a time not in seconds.
@@ -274,12 +283,13 @@ def test_metrics_pass_promtool_check_metrics(exporter: tuple[EmbeddingCache, int
 
 def test_dashboard_and_rules_use_exported_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
     """Every raw metric the dashboard and rules query is one the cache exports (catches typos)."""
-    _, port = exporter
+    cache, port = exporter
     exported = set(re.findall(r"^# TYPE (embcache_\w+) ", fetch(f"http://127.0.0.1:{port}/metrics"), re.M))
     records, alerts = load_rules()
     used = metric_names(" ".join(dashboard_queries()) + " ".join(records.values()) + " ".join(alerts.values()))
     assert len(used) >= 25
-    unknown = used - exported - NOT_FROM_EMBEDDED_CACHE
+    assert set(WAITING_ON_STATS) <= used  # still needed, else drop it from WAITING_ON_STATS
+    unknown = used - exported - NOT_FROM_EMBEDDED_CACHE - not_exported_yet(cache.stats())
     assert not unknown, f"queried but not exported: {sorted(unknown)}"
     dash_and_rules = " ".join(dashboard_queries()) + " ".join(alerts.values())
     for record in records:  # every recording rule is shown or alerted on
@@ -287,7 +297,11 @@ def test_dashboard_and_rules_use_exported_metrics(exporter: tuple[EmbeddingCache
 
 
 def test_latency_histogram_passes_promtool_check_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
-    """The store latency histogram, once stats() carries it, is valid exposition text too."""
+    """The store latency histogram is valid exposition text with durations in every bucket, +Inf included.
+
+    The real cache's own histogram (a few fast operations) is checked by the test above; this one
+    replaces it with durations from 50 us to 9 s so that every bucket boundary is exercised.
+    """
     from prometheus_client import generate_latest
 
     from embcache.metrics import LatencyHistogram
@@ -300,7 +314,7 @@ def test_latency_histogram_passes_promtool_check_metrics(exporter: tuple[Embeddi
     for s in stats.values():
         s["ssd"].update(read_latency=hist.snapshot(), write_latency=hist.snapshot())
 
-    class Snapshot:  # the real cache's stats, frozen with the histograms in
+    class Snapshot:  # the real cache's stats, frozen with these histograms in
         closed = False
 
         def stats(self) -> dict[str, Any]:
@@ -571,7 +585,8 @@ def test_prometheus_records_the_hit_ratio_of_a_live_server(tmp_path: Path) -> No
         exported = set(re.findall(r"^# TYPE (embcache_\w+) ", text, re.M))
         used = metric_names(" ".join(dashboard_queries()) + " ".join(records.values()) + " ".join(alerts.values()))
         assert "embcache_rpc_request_duration_seconds" in exported
-        assert not used - exported - NOT_FROM_EMBEDDED_CACHE, sorted(used - exported)
+        missing_now = used - exported - NOT_FROM_EMBEDDED_CACHE - not_exported_yet(server.stats())
+        assert not missing_now, sorted(missing_now)
     finally:
         if prom is not None:
             prom.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import urllib.request
@@ -58,6 +59,9 @@ def test_metrics_match_stats_over_http(make_cache: Any) -> None:
                if name == "embcache_mrc_hit_ratio" and dict(labels)["tier"] == "ddr"}
         assert set(mrc) == {"0.25", "0.5", "1", "2", "4"} and all(0 <= v <= 1 for v in mrc.values())
         assert mrc["4"] >= mrc["0.25"]
+        # a fraction of the keys, named as a ratio ("rate" would read as per second)
+        assert m[("embcache_mrc_sampling_ratio", (("table", "t"),))] == stats["mrc"]["sample_rate"] == 1.0
+        assert not any("sample_rate" in name for name, _ in m)
         cache.begin_pass({"t": torch.arange(4)})
         cache.lookup("t", torch.tensor([100, 101]))
         m = scrape(port)
@@ -144,3 +148,76 @@ def test_latency_histograms_in_stats_are_exported(make_cache: Any) -> None:
     assert got[("embcache_ssd_op_duration_seconds_bucket", "write", "1")] == 0
     assert got[("embcache_ssd_op_duration_seconds_count", "write", None)] == 1
     assert got[("embcache_ssd_op_duration_seconds_sum", "read", None)] == pytest.approx(0.505)
+
+
+def test_ssd_latency_histogram_of_a_real_cache_over_http(make_cache: Any) -> None:
+    """The cache times every batched store operation: per op, the histogram's _count is the op counter.
+
+    Tiny tiers (4 + 8 rows) under a skewed workload of 120 keys push rows to and from the store
+    (reads on misses, write-backs on eviction), a prefetch stages rows (reads off the lookup
+    path), and flush() writes the dirty rows; the histogram is scraped over HTTP.
+    """
+    cache = make_cache(hbm_rows=4, ddr_rows=8)
+    registry = CollectorRegistry()
+    register_metrics(cache, registry)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(25):
+            keys = (torch.rand(40, generator=gen) ** 2 * 120).long()
+            cache.lookup("t", keys)
+            cache.apply_gradients("t", keys, torch.ones(40, 8))
+        cache.prefetch({"t": torch.arange(0, 12)}).result(timeout=30)
+        cache.flush()
+        m = scrape(server.server_port)
+        ssd = cache.stats()["t"]["ssd"]
+        assert scrape(server.server_port) == m  # nothing moved meanwhile: the snapshot and the scrape agree
+        t = (("table", "t"),)
+        sums = 0.0
+        for op, ops in (("read", "reads"), ("write", "writes")):
+            labels = (("op", op), ("table", "t"))
+            count = m[("embcache_ssd_op_duration_seconds_count", labels)]
+            assert count == ssd[ops] == m[(f"embcache_ssd_{op}_ops_total", t)] > 0, op
+            assert m[("embcache_ssd_op_duration_seconds_sum", labels)] > 0, op
+            buckets = sorted((float(dict(lab)["le"]), v) for (name, lab), v in m.items()
+                             if name == "embcache_ssd_op_duration_seconds_bucket" and dict(lab)["op"] == op)
+            assert buckets[-1] == (math.inf, count)
+            assert all(a[1] <= b[1] for a, b in itertools.pairwise(buckets)), buckets  # cumulative
+            sums += m[("embcache_ssd_op_duration_seconds_sum", labels)]
+        # every timed operation is also store busy time, and nothing else is
+        assert sums == pytest.approx(m[("embcache_tier_busy_seconds_total", (("table", "t"), ("tier", "ssd")))],
+                                     rel=1e-9)
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+
+
+def test_running_prefetch_age_is_exported_when_stats_report_it(make_cache: Any) -> None:
+    """stats()[t]["prefetch"]["running_seconds"] -> gauge embcache_prefetch_running_seconds; absent -> no family.
+
+    The counters of staging move only when a prefetch finishes; the age of the running one is what
+    shows a stuck prefetch (deploy/README.md, "Metrics"). Whether the cache reports it or not, the
+    export follows stats().
+    """
+    cache = make_cache()
+    cache.prefetch({"t": torch.arange(6)}).result(timeout=30)
+    stats = cache.stats()
+
+    class Snapshot:  # the real cache's stats, frozen, with or without the field
+        closed = False
+
+        def stats(self) -> dict[str, Any]:
+            return stats
+
+    def exported() -> dict[str, float]:
+        registry = CollectorRegistry()
+        register_metrics(Snapshot(), registry)
+        return {s.labels["table"]: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
+                if f.name == "embcache_prefetch_running_seconds" for s in f.samples}
+
+    reported = "running_seconds" in stats["t"]["prefetch"]
+    assert exported() == ({"t": stats["t"]["prefetch"]["running_seconds"]} if reported else {})
+    stats["t"]["prefetch"]["running_seconds"] = 42.5
+    assert exported() == {"t": 42.5}
+    del stats["t"]["prefetch"]["running_seconds"]
+    assert exported() == {}
