@@ -8,6 +8,15 @@ policy beats), at capacities from 0.1% to 100% of the distinct keys. It prints t
 plots them (PNG), and finds by bisection the smallest capacity that reaches each target hit
 ratio, in rows and in bytes for the table's dim, dtype and optimizer (a resident row carries
 its weights, its optimizer state, 42 bytes of bookkeeping and up to 64 bytes of key index).
+It also gives the store's (SSD tier's) payload: every distinct key of the trace ends up there
+once trained, as a record of its weights and optimizer state plus its 8-byte key.
+
+LRU and OPT are stack algorithms: their hit ratio never falls as the capacity grows, so the
+bisection finds the smallest capacity exactly. LFU and lrfu are not (a larger cache can admit
+a row that later displaces a better one): their curves can dip. The bisection is therefore
+bracketed by the measured grid: it runs between the largest grid capacity below the target and
+the next one, so the answer reaches the target and so does every grid capacity above it; only
+a dip inside that one grid interval could go unseen.
 
 The HBM tier is sized for ``--hbm-hit`` (share of lookups served from HBM); HBM and DDR
 together for ``--memory-hit`` (share served from memory, i.e. not from the SSD): DDR gets the
@@ -24,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from . import sim
@@ -31,7 +41,7 @@ from .config import TableConfig
 from .optim import state_width
 from .tier import resident_row_bytes
 
-__all__ = ["POLICIES", "SizingReport", "load_trace", "main", "needed_capacity", "size_trace"]
+__all__ = ["POLICIES", "SizingReport", "load_trace", "main", "needed_capacity", "size_trace", "store_record_bytes"]
 
 #: name -> ``(trace, capacity) -> hits``, in plotting order
 POLICIES: dict[str, Callable[[np.ndarray, int], int]] = {
@@ -73,18 +83,33 @@ def load_trace(paths: Sequence[str], seed: int = 0) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def needed_capacity(hits_at: Callable[[int], int], n_accesses: int, n_keys: int, target: float) -> int | None:
-    """Smallest capacity (rows) whose hit ratio reaches ``target``, by bisection; None if even all keys miss it."""
+def needed_capacity(hits_at: Callable[[int], int], n_accesses: int, n_keys: int, target: float,
+                    grid: Sequence[int] = ()) -> int | None:
+    """Smallest capacity (rows) whose hit ratio reaches ``target``, by bisection; None if even all keys miss it.
+
+    Without ``grid`` the bisection runs over ``[0, n_keys]`` and assumes the hit ratio never falls
+    as the capacity grows (true of LRU and OPT). With the capacities already measured in
+    ``grid``, it runs only between the largest of them that misses the target and the next
+    capacity (of the grid, or ``n_keys``): the result reaches the target, and so does every grid
+    capacity above it, whether or not the curve dips elsewhere (LFU, lrfu).
+    """
     if n_accesses == 0 or hits_at(n_keys) < target * n_accesses:
         return None
-    lo, hi = 0, n_keys  # hits_at(lo) may be below, hits_at(hi) reaches it
+    lo, hi = 0, n_keys  # invariant: hits_at(lo) misses the target (0 rows hit nothing), hits_at(hi) reaches it
+    points = sorted({c for c in grid if 0 < c < n_keys})
+    below = [i for i, c in enumerate(points) if hits_at(c) < target * n_accesses]
+    if below:
+        lo = points[below[-1]]
+        hi = points[below[-1] + 1] if below[-1] + 1 < len(points) else n_keys
+    elif points:
+        hi = points[0]
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if hits_at(mid) >= target * n_accesses:
             hi = mid
         else:
             lo = mid
-    return hi if hits_at(lo) < target * n_accesses else lo
+    return hi
 
 
 @dataclass
@@ -98,15 +123,29 @@ class SizingReport:
     curves: dict[str, list[float]]
     needed: dict[str, dict[str, int | None]]  # policy -> {"hbm": rows, "memory": rows}
     targets: dict[str, float]
+    record_bytes: int | None = None  # bytes of one row in the store (weights + optimizer state), if known
+
+    @property
+    def store_bytes(self) -> int | None:
+        """Payload of the store (SSD tier) once every distinct key is trained: keys x (record + 8-byte key)."""
+        return None if self.record_bytes is None else self.distinct_keys * (self.record_bytes + 8)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serializable dict."""
-        return dict(vars(self))
+        """A JSON-serializable dict (with ``store_bytes``)."""
+        return {**vars(self), "store_bytes": self.store_bytes}
+
+
+def store_record_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
+    """Bytes of one row's record in the store: its weights in ``dtype`` and its float32 optimizer state."""
+    return dim * torch.empty(0, dtype=dtype).element_size() + 4 * state_width
 
 
 def size_trace(trace: np.ndarray, row_bytes: int, hbm_hit: float, memory_hit: float, points: int = 16,
-               policies: Sequence[str] = tuple(POLICIES), progress: bool = True) -> SizingReport:
+               policies: Sequence[str] = tuple(POLICIES), progress: bool = True,
+               record_bytes: int | None = None) -> SizingReport:
     """Miss-ratio curves of ``policies`` on ``trace`` and the capacities the two targets need.
+
+    ``record_bytes`` (a row's bytes in the store, :func:`store_record_bytes`) adds the store's size.
 
     Raises:
         ValueError: an unknown policy, or targets outside (0, 1].
@@ -140,9 +179,10 @@ def size_trace(trace: np.ndarray, row_bytes: int, hbm_hit: float, memory_hit: fl
             curves[name] = curve
             needed[name] = {}
             for tier, target in (("hbm", hbm_hit), ("memory", memory_hit)):
-                needed[name][tier] = needed_capacity(hits_at, n, distinct, target)
+                needed[name][tier] = needed_capacity(hits_at, n, distinct, target, grid=caps)
                 bar.update(1)
-    return SizingReport(n, distinct, row_bytes, caps, curves, needed, {"hbm": hbm_hit, "memory": memory_hit})
+    return SizingReport(n, distinct, row_bytes, caps, curves, needed, {"hbm": hbm_hit, "memory": memory_hit},
+                        record_bytes)
 
 
 def _fmt_bytes(b: float) -> str:
@@ -173,16 +213,30 @@ def report_markdown(r: SizingReport) -> str:
         cells = [f"{x:,}" if x is not None else "unreachable" for x in (h, d)]
         byts = [_fmt_bytes(x * r.row_bytes) if x is not None else "-" for x in (h, d)]
         lines.append(f"| {name} | {cells[0]} | {byts[0]} | {cells[1]} | {byts[1]} |")
+    if r.store_bytes is not None:
+        lines += ["", f"Store (SSD tier): all {r.distinct_keys:,} distinct keys, once trained, at {r.record_bytes} "
+                  f"bytes of weights and optimizer state + an 8-byte key each: {_fmt_bytes(r.store_bytes)} "
+                  "before the store's own overhead (RocksDB: compression, compaction headroom; size the volume "
+                  "well above it)."]
     return "\n".join(lines)
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or a clear error (matplotlib is a dependency of embcache)."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("embcache sizing plots its curves with matplotlib, which is not installed: "
+                          "pip install 'matplotlib>=3.7' (a dependency of embcache)") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot(r: SizingReport, path: str) -> None:
     """Hit ratio against capacity (rows, log scale; bytes on top), one line per policy, targets dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for name, curve in r.curves.items():
         ax.plot(r.capacities, curve, marker="o", ms=3, label=name, ls="--" if name == "OPT" else "-")
@@ -227,11 +281,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the ``sizing`` subcommand."""
+    try:
+        _pyplot()  # fail before the replay, not after it, if the plot cannot be drawn
+    except ImportError as exc:
+        raise SystemExit(str(exc)) from exc
     cfg = TableConfig(name="sizing", dim=args.dim, optimizer=args.optimizer, dtype=args.dtype)
-    rb = resident_row_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim))
+    width = state_width(cfg.optimizer, cfg.dim)
+    rb = resident_row_bytes(cfg.dim, cfg.torch_dtype, width)
     trace = load_trace(args.trace)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    report = size_trace(trace, rb, args.hbm_hit, args.memory_hit, args.points, policies)
+    report = size_trace(trace, rb, args.hbm_hit, args.memory_hit, args.points, policies,
+                        record_bytes=store_record_bytes(cfg.dim, cfg.torch_dtype, width))
     print(report_markdown(report))
     plot(report, args.out)
     print(f"\nplot: {os.path.abspath(args.out)}")
