@@ -12,14 +12,27 @@ For each factor in ``FACTORS``:
 - ``ddr``: the share of lookups served from memory (HBM or DDR, i.e. not from the SSD) with both
   tiers at ``factor x`` their capacity. DDR's own hit ratio is that minus HBM's.
 
-Ratios are over a sliding window: counts decay by half every ``window`` sampled accesses, and
-are corrected as in SHARDS-adj (the difference between the expected and the actual number of
-sampled accesses counts as hits: it comes from a few very hot keys the sample caught or
-missed). Measured error against exact replays (rate 1) on 4M-access Zipf traces over 2M keys
-with HBM 40k / DDR 160k rows at rate 0.2: at most 0.003 (alpha 1.05) and 0.017 (alpha 0.8) in
-hit ratio over all ten points (``tests/test_mrc.py`` checks a smaller case).
-Cost on the lookup path: one hash per looked-up key (about 1.2 ns, numba); the shadows (a few
-heap operations per sampled key and shadow) run on a background thread, which wakes once per
+Ratios are over a sliding window: counts decay by half every ``window`` sampled accesses (so
+every ``window / rate`` lookups: 51M at rate 1/256), and are corrected as in SHARDS-adj (the
+difference between the expected and the actual number of sampled accesses counts as hits: it
+comes from a few very hot keys the sample caught or missed).
+
+Measured error (``.venv/bin/python bench/bench_mrc.py``, ``bench/results/mrc.md``): the estimate
+against the exact replay (:class:`~embcache.sim.LrfuSim` at the full capacities, the same lookup
+batches of 4096 keys and half-lives, decayed over the same window), in hit ratio over all ten
+points. At the default rate, with HBM 40k / DDR 160k rows over 4M lookups of 2M keys (rate
+1/256, smallest shadow 39 rows, 6k-15k keys sampled): at most 0.006 (Zipf 0.8), 0.005 (Zipf 1.05),
+0.003 (Zipf 1.2) and 0.012 (drifting popularity); mean 0.001-0.008. The error grows as the
+sample shrinks: with HBM 4k rows over 400k lookups (``--quick``: still 1/256, 4-row shadows,
+0.4k-1.3k keys sampled) it reaches 0.078 (Zipf 0.8) and 0.067 (Zipf 1.05). A higher
+``CacheConfig.mrc_sample_rate`` buys accuracy there: 1/16 brings that case to at most 0.018. In
+the larger case every rate from 1/256 to 0.2 stays within 0.016: what remains does not shrink
+with the rate. ``tests/test_mrc.py`` checks the default on the ``--quick`` case.
+
+Cost (same benchmark, 2 shared cores): ``observe`` takes 10-35 ns of the caller's CPU per
+looked-up key in 4096-key batches (the hash and the batch's hand-over); the shadows (a few
+heap operations per sampled key and shadow) take 1-7 us of CPU per sampled key for all ten, on
+a background thread, which wakes once per
 ``_WAKE_BATCHES`` batches (or every ``_WAKE_SECONDS``) and runs them all through each shadow in
 one call: per batch, ten shadow calls and a thread wake-up cost more than the sampled keys
 themselves (measured in the parameter server: 1.1-1.3 ms of CPU per lookup batch).
@@ -77,13 +90,15 @@ def _sample(keys: np.ndarray, threshold: int) -> np.ndarray:
 def auto_sample_rate(hbm_rows: int) -> float:
     """A rate giving the smallest (0.25x HBM) shadow about 512 rows, and at most 1/256.
 
-    The shadows cost about 0.25 us per sampled key and shadow on a background thread (measured:
+    The shadows cost about 0.1-0.7 us per sampled key and shadow on a background thread (measured:
     230 us of CPU per 8,192-key lookup at rate 1/90, 40% of the lookup itself; every key through
     the shadows, rate 1, halved a tiered lookup's throughput on 2 cores), so the rate is kept
-    low: on a 3M-access Zipf trace, rates from 1/20 to 1/256 gave the same error against the
-    estimator at rate 1 (0.04 in hit ratio at alpha 1.05, 0.11-0.12 at alpha 0.8). With HBM
-    under 524k rows the cap leaves the smallest shadow below 512 rows, so the curve is coarser
-    there: set ``CacheConfig.mrc_sample_rate`` for more, or size offline with ``embcache sizing``.
+    low. Its error, measured against exact replays over the same window by
+    ``bench/bench_mrc.py`` (see the module docstring): at most 0.003-0.012 in hit ratio with HBM
+    40k rows over 4M lookups, up to 0.078 with HBM 4k rows over 400k lookups, where the sample is
+    a thousand keys. With HBM under 524k rows the cap leaves the smallest shadow below 512 rows,
+    so the curve is coarser there: set ``CacheConfig.mrc_sample_rate`` higher (1/16 brought the
+    small case to 0.018), or size offline with ``embcache sizing``.
     """
     smallest = FACTORS[0] * max(hbm_rows, 1)
     return min(max(_SMALLEST_SHADOW / smallest, 2.0**-20), 1.0 / 256)
