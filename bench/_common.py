@@ -12,6 +12,8 @@ import json
 import math
 import os
 import platform
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +24,8 @@ from typing import Any
 
 __all__ = [
     "PACKAGES",
+    "RedisServer",
+    "RedisUnavailable",
     "command_line",
     "format_ratio",
     "git_state",
@@ -250,6 +254,69 @@ def format_ratio(ratio: float | None, target: float | None = None) -> str:
         if all((shown < m) == (ratio < m) and (shown > m) == (ratio > m) for m in marks):
             return f"{ratio:.{digits}f}x"
     return f"{ratio:.5f}x"
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis cannot be used as a peer here; the message says why (shown in the results)."""
+
+
+class RedisServer:
+    """A private ``redis-server`` on 127.0.0.1 (a free port, no persistence) for a benchmark's Redis peer.
+
+    Needs Debian's ``redis-server`` on the PATH and redis-py (with hiredis, the ``bench`` extra).
+    ``client()`` opens a redis-py client; ``parser`` names the reply parser redis-py uses
+    (``_HiredisParser`` when hiredis is installed); ``close()`` stops the server.
+
+    Raises:
+        RedisUnavailable: no ``redis-server`` on the PATH, no redis-py, or the server did not answer.
+    """
+
+    def __init__(self, workdir: str, timeout: float = 30.0) -> None:
+        if shutil.which("redis-server") is None:
+            raise RedisUnavailable("redis-server not found on the PATH (Debian: apt-get install -y redis-server)")
+        try:
+            import redis
+        except ImportError:
+            raise RedisUnavailable("redis-py not installed (pip install -e '.[bench]')") from None
+        self._redis = redis
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RedisUnavailable(f"redis-server did not answer on port {self.port} "
+                                               f"(exit {self.proc.poll()})") from None
+                    time.sleep(0.05)
+            self.parser = type(client.connection_pool.get_connection()._parser).__name__
+        except BaseException:
+            client.close()
+            self.close()
+            raise
+        client.close()
+
+    def client(self) -> Any:
+        """A new redis-py client of this server."""
+        return self._redis.Redis(host="127.0.0.1", port=self.port)
+
+    def close(self) -> None:
+        """Stop the server (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

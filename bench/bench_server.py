@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,7 +59,14 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from bench._common import machine_info, markdown_table, write_json  # noqa: E402
+from bench._common import (  # noqa: E402
+    RedisServer,
+    RedisUnavailable,
+    format_ratio,
+    machine_info,
+    markdown_table,
+    write_json,
+)
 
 # Echo and Redis replies are wrapped without a copy (read-only bytes): fine for a reference that only reads them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -116,12 +122,6 @@ def _wait_file(path: str, proc: subprocess.Popen[bytes], what: str, timeout: flo
     with open(path) as f:
         data: dict[str, Any] = json.load(f)
     return data
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------- contenders
@@ -246,13 +246,8 @@ class Redis(Contender):
     name = "Redis"
 
     def __init__(self, workdir: str) -> None:
-        import redis
-
-        self._redis = redis
-        self.port = _free_port()
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.server = RedisServer(workdir)  # RedisUnavailable: no redis-server or redis-py
+        self.parser = self.server.parser
         try:
             self._load()
         except BaseException:
@@ -260,23 +255,12 @@ class Redis(Contender):
             raise
 
     def _load(self) -> None:
-        redis = self._redis
-        client = redis.Redis(host="127.0.0.1", port=self.port)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        client = self.server.client()
         rng = np.random.default_rng(1)
         for start in range(0, ROWS, 1 << 15):
             keys = np.arange(start, start + (1 << 15))
             data = rng.standard_normal((keys.size, DIM)).astype(np.float32).tobytes()
             client.mset({k: data[i * ROW_BYTES:(i + 1) * ROW_BYTES] for i, k in enumerate(self._names(keys))})
-        self.parser = type(client.connection_pool.get_connection()._parser).__name__
         client.close()
 
     @staticmethod
@@ -285,7 +269,7 @@ class Redis(Contender):
         return [raw[i:i + 8] for i in range(0, len(raw), 8)]
 
     def make_client(self) -> Any:
-        return self._redis.Redis(host="127.0.0.1", port=self.port)
+        return self.server.client()
 
     def pull(self, client: Any, keys: np.ndarray) -> torch.Tensor:
         values = client.mget(self._names(keys))
@@ -296,8 +280,7 @@ class Redis(Contender):
         client.mset({k: data[i * ROW_BYTES:(i + 1) * ROW_BYTES] for i, k in enumerate(self._names(keys))})
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait()
+        self.server.close()
 
 
 # ---------------------------------------------------------------------- timing
@@ -364,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--batches", type=int, default=None, help="batches per thread per repeat")
     ap.add_argument("--workers", type=int, default=8, help="server worker threads (embcache and echo)")
+    ap.add_argument("--out", default=str(_ROOT / "bench" / "results"), help="results directory")
     ap.add_argument("--serve-echo", metavar="PORT_FILE", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_echo:
@@ -372,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     repeats = args.repeats or (3 if args.quick else 7)
     batches = args.batches or (12 if args.quick else 24)
-    stem = str(_ROOT / "bench" / "results" / ("server-quick" if args.quick else "server"))
+    info = machine_info(("protobuf", "redis", "hiredis"), script=__file__, argv=sys.argv[1:] if argv is None else argv)
+    stem = os.path.join(args.out, "server-quick" if args.quick else "server")
     t_start = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="embcache-bench-server-")
     contenders: list[Contender] = []
@@ -383,15 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         contenders.append(GrpcEcho(workdir, args.workers))
         contenders.append(Embedded(workdir))
         redis_parser = None
-        if shutil.which("redis-server") is None:
-            notes.append("redis-server not found: Redis left out (apt-get install -y redis-server)")
-        else:
-            try:
-                r = Redis(workdir)
-                contenders.append(r)
-                redis_parser = r.parser
-            except ImportError:
-                notes.append("redis-py not installed: Redis left out (pip install -e '.[bench]')")
+        try:
+            r = Redis(workdir)
+            contenders.append(r)
+            redis_parser = r.parser
+        except RedisUnavailable as exc:
+            notes.append(f"Redis left out: {exc}")
         clients = {c.name: [c.make_client() for _ in range(max(THREADS))] for c in contenders}
         for c in contenders:
             check_correct(c, clients[c.name][0])
@@ -439,12 +421,12 @@ def main(argv: list[str] | None = None) -> int:
                 r = results[name][op][str(t)]
                 row.append(f"{r['rows_per_s'] / 1e6:.2f} M ({r['mb_per_s']:.0f} MB/s)")
             g = results["gRPC echo"][op][str(t)]["rows_per_s"]
-            row.append(f"{e / g:.2f}x")
+            row.append(format_ratio(e / g, TARGET_VS_GRPC))
             summary.append({"case": f"{op}, {t} client thread{'s' if t > 1 else ''}", "reference": "raw gRPC echo",
                             "ratio": e / g, "target": TARGET_VS_GRPC, "met": e / g >= TARGET_VS_GRPC})
             if "Redis" in results:
                 red = results["Redis"][op][str(t)]["rows_per_s"]
-                row.append(f"{e / red:.2f}x")
+                row.append(format_ratio(e / red, TARGET_VS_REDIS))
                 summary.append({"case": f"{op}, {t} client thread{'s' if t > 1 else ''}",
                                 "reference": "Redis MGET/MSET" if op == "pull" else "Redis MSET",
                                 "ratio": e / red, "target": TARGET_VS_REDIS, "met": e / red >= TARGET_VS_REDIS})
@@ -453,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     if "Redis" in results:
         headers.append("embcache / Redis")
     table = markdown_table(headers, table_rows)
-    command = " ".join([".venv/bin/python", "bench/bench_server.py", *(argv if argv is not None else sys.argv[1:])])
+    command = info["command"]
     doc = {"benchmark": "embcache-server pull/push vs raw gRPC echo and Redis", "command": command,
-           "machine": machine_info(("torch", "numpy", "grpcio", "protobuf", "redis", "hiredis")),
+           "machine": info,
            "batch": BATCH, "dim": DIM, "rows": ROWS, "repeats": repeats, "batches_per_thread": batches,
            "server_workers": args.workers, "embcache_resident_rows": resident, "redis_parser": redis_parser,
            "notes": notes, "results": results, "summary": summary, "seconds": time.perf_counter() - t_start}
