@@ -52,7 +52,21 @@ Cases, each measured side by side in this one run:
    ``LookAhead`` (the next 2 batches staged in the background), and with the pass protocol
    (each segment split into passes whose keysets fit in 90% of HBM + DDR; the next pass's
    keyset is prefetched while the current one runs, the first pass of a segment is staged
-   inside the timing).
+   inside the timing). **Redis** (a peer of the lookup): every stored row's float32 weights as
+   bytes, one value per 8-byte key, in a private ``redis-server`` on 127.0.0.1 started by the
+   benchmark (no persistence; redis-py with hiredis), one ``MGET`` of the batch's unique keys per
+   batch, gathered into the output; skipped, with the reason in the results, when
+   ``redis-server`` (Debian: ``apt-get install -y redis-server``) or redis-py is missing.
+4. **Tiered lookup + update.** The same tiers, trace and segments; per batch ``lookup`` then
+   ``apply_gradients`` (row-wise AdaGrad, a fixed random gradient), on its own cache over its own
+   copy of the store. Peer: RocksDB read-modify-write direct (``get_many`` of the batch's unique
+   keys, the rows gathered into the output, the gradients of duplicate keys summed and row-wise
+   AdaGrad applied to the records in numpy, ``put_many`` of them). Both apply the same gradients
+   to the same rows in the same order; afterwards some rows of the two are checked to agree.
+5. **Throughput vs tier sizes** (batch and dim of the first tiered case): HBM at 0.5%, 1%, 2% and
+   4% of the stored rows with DDR 10x HBM (quick: 1% and 4%); at each size a fresh cache warms up
+   on the same first half and times the same segments, alternating with RocksDB direct. Tiered
+   lookup rows/s and per-tier hit rates, plotted in ``cache-tiers.png``.
 
 Threads: every contender runs with the same thread count, 1 by default (``--threads``; torch's
 and numba's pools, and the FBGEMM subprocess). On a 2-core machine shared with other work,
@@ -61,9 +75,11 @@ rows went from ~20M to ~1M rows/s with one core taken), which made 2-thread figu
 10x from run to run; ``--threads 0`` keeps the libraries' defaults for a quiet machine.
 
 Every rate is the median over repeats (after discarded warm-up) of rows / wall-clock seconds;
-min and max are in the JSON too. Prints a Markdown table; writes ``bench/results/cache.json``,
-``cache.md`` and ``cache.png`` (``cache-quick.*`` with ``--quick``). ``--profile`` adds a cProfile
-of the cache's tiered lookup (top functions) to the JSON.
+min and max are in the JSON too. Prints a Markdown table; writes ``bench/results/cache.json``
+(with ``bench._common.machine_info``'s header: machine, versions, git commit and dirty flag,
+command, start time), ``cache.md``, ``cache.png`` and ``cache-tiers.png`` (``cache-quick.*`` and
+``cache-quick-tiers.png`` with ``--quick``; ``--out DIR`` puts them in DIR). ``--profile`` adds a
+cProfile of the cache's tiered lookup (top functions) to the JSON.
 """
 
 from __future__ import annotations
@@ -108,6 +124,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from _common import (  # noqa: E402
+    RedisServer,
+    RedisUnavailable,
+    format_ratio,
     interleaved_timings,
     machine_info,
     markdown_table,
@@ -127,6 +146,11 @@ LR = 0.01
 EPS = 1e-10  # embcache's default eps for rowwise_adagrad; FBGEMM is given the same
 STORE_SUBDIR = "store"  # where EmbeddingCache keeps its store under config.path
 TARGETS = {"lookup": 0.8, "lookup_update": 5.0, "tiered": 20.0}
+# tier-size sweep: HBM as a share of the stored rows, DDR = DDR_PER_HBM x HBM
+SWEEP_HBM_FRACTIONS = (0.005, 0.01, 0.02, 0.04)
+QUICK_SWEEP_HBM_FRACTIONS = (0.01, 0.04)
+DDR_PER_HBM = 10
+REDIS_LOAD_CHUNK = 1 << 15
 DEFAULT_FBGEMM_PYTHON = "/tmp/fbgemm-venv/bin/python"
 _ID_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication is a bijection mod 2**64
 
@@ -504,6 +528,124 @@ def passes_of(batches: list[np.ndarray], budget: int) -> list[tuple[Keyset, list
     return passes
 
 
+def read_modify_write(store: Store, keys: np.ndarray, grads: torch.Tensor, out: np.ndarray, wb: int) -> None:
+    """The RocksDB peer of lookup + update: one multi-get of the batch's unique keys, the rows into
+    ``out``, row-wise AdaGrad on them in numpy (duplicate keys' gradients summed, as the cache
+    does: ``s += mean(g*g); w -= lr * g / (sqrt(s) + eps)``), one multi-put of the changed records."""
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    _, records = store.get_many(TABLE, uniq)
+    w = records[:, :wb].view(np.float32)  # views into records: updating them updates what is put back
+    acc = records[:, wb:wb + 4].view(np.float32)[:, 0]
+    np.take(w, inverse, axis=0, out=out)
+    g = torch.zeros(len(uniq), grads.shape[1]).index_add_(0, torch.from_numpy(inverse), grads).numpy()
+    acc += (g * g).mean(axis=1)
+    w -= (LR * g) / (np.sqrt(acc)[:, None] + EPS)
+    store.put_many(TABLE, uniq, records)
+
+
+def _redis_names(keys: np.ndarray) -> list[bytes]:
+    raw = keys.astype("<i8").tobytes()
+    return [raw[i:i + 8] for i in range(0, len(raw), 8)]
+
+
+def load_redis(client: Any, store: Store, ids: np.ndarray, wb: int) -> None:
+    """Copy the float32 weights of ``ids`` from ``store`` into Redis, one value of bytes per key (8-byte key)."""
+    for start in range(0, len(ids), REDIS_LOAD_CHUNK):
+        chunk = ids[start:start + REDIS_LOAD_CHUNK]
+        found, records = store.get_many(TABLE, chunk)
+        assert found.all(), "the store lacks rows the Redis peer should hold"
+        data = np.ascontiguousarray(records[:, :wb]).tobytes()
+        client.mset({k: data[i * wb:(i + 1) * wb] for i, k in enumerate(_redis_names(chunk))})
+
+
+def redis_get(client: Any, keys: np.ndarray, out: np.ndarray, dim: int) -> bool:
+    """The Redis peer of the tiered lookup: MGET of the batch's unique keys, rows gathered into ``out``.
+
+    Returns False when a key was missing."""
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    values = client.mget(_redis_names(uniq))
+    if any(v is None for v in values):
+        return False
+    rows = np.frombuffer(b"".join(values), dtype=np.float32).reshape(len(uniq), dim)
+    np.take(rows, inverse.reshape(-1), axis=0, out=out)
+    return True
+
+
+def run_tier_sweep(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_distinct: int, fractions: Sequence[float],
+                   args: argparse.Namespace, work_dir: str) -> list[dict[str, Any]]:
+    """Tiered lookup throughput and per-tier hit rates at several tier sizes (HBM = f, DDR = 10 f of the rows).
+
+    Same trace, warm-up and timed segments as :func:`run_tiered`; at each size the cache (a fresh
+    copy of the prefilled store) alternates segment by segment with RocksDB direct (one shared
+    read-only copy), so each point has its own reference measured beside it.
+    """
+    batches = split_batches(ids, batch)
+    n_warm = len(batches) // 2
+    warm, timed = batches[:n_warm], batches[n_warm:]
+    n_seg = min(args.segments, len(timed))
+    per = len(timed) // n_seg
+    segments = [timed[i * per:(i + 1) * per] for i in range(n_seg)]
+    seg_rows = per * batch
+    rb = row_bytes_of(dim, work_dir)
+    wb = 4 * dim
+    keys = {id(b): torch.from_numpy(b) for b in batches}
+    out = torch.empty(batch, dim)
+    out_np = np.empty((batch, dim), dtype=np.float32)
+    rocks_path = os.path.join(work_dir, f"sweep-{batch}-{dim}-rocksdb")
+    shutil.rmtree(rocks_path, ignore_errors=True)
+    shutil.copytree(prefilled, rocks_path)
+    rocks = open_store("rocksdb", os.path.join(rocks_path, STORE_SUBDIR))
+    points: list[dict[str, Any]] = []
+    try:
+        for seg in segments[:1]:  # RocksDB direct's warm-up
+            for b in seg:
+                rocks.get_many(TABLE, b)
+        for k, frac in enumerate(fractions):
+            hbm_rows = math.ceil(frac * n_distinct)
+            ddr_rows = min(DDR_PER_HBM * hbm_rows, n_distinct - hbm_rows)
+            path = os.path.join(work_dir, f"sweep-{batch}-{dim}-{k}")
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.copytree(prefilled, path)
+            cfg = CacheConfig(hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, path=path, store="rocksdb",
+                              device="cpu")
+            t_point = time.perf_counter()
+            with EmbeddingCache(cfg, [table_config(dim)]) as cache:
+                cap = cache.capacity_rows(TABLE)
+                for b in warm:
+                    cache.lookup(TABLE, keys[id(b)], out=out)
+                before = stats_of(cache)
+                secs: dict[str, list[float]] = {"cache": [], "rocksdb": []}
+                for seg in segments:
+                    t0 = time.perf_counter()
+                    for b in seg:
+                        cache.lookup(TABLE, keys[id(b)], out=out)
+                    secs["cache"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    for b in seg:
+                        _, records = rocks.get_many(TABLE, b)
+                        out_np[...] = records[:, :wb].view(np.float32)
+                    secs["rocksdb"].append(time.perf_counter() - t0)
+                d = delta(stats_of(cache), before)
+            shutil.rmtree(path, ignore_errors=True)
+            point = {"hbm_fraction": frac, "ddr_fraction": ddr_rows / n_distinct, "hbm_rows": cap["hbm"],
+                     "ddr_rows": cap["ddr"], "cache": rate_summary(seg_rows, secs["cache"]),
+                     "rocksdb": rate_summary(seg_rows, secs["rocksdb"]),
+                     "hit_rates": {t: d[f"{t}_hits"] / d["lookups"] for t in ("hbm", "ddr", "ssd")},
+                     "store_rows_read_per_lookup": d["ssd_reads"] / d["lookups"]}
+            point["vs_rocksdb"] = point["cache"]["rows_per_s"] / point["rocksdb"]["rows_per_s"]
+            points.append(point)
+            h = point["hit_rates"]
+            print(f"  [tier sweep {k + 1}/{len(fractions)}] HBM {frac:.1%} / DDR {point['ddr_fraction']:.1%}: "
+                  f"{fmt_rate(point['cache']['rows_per_s'])} rows/s ({point['vs_rocksdb']:.2f}x RocksDB direct), "
+                  f"hits HBM {h['hbm']:.1%} DDR {h['ddr']:.1%} SSD {h['ssd']:.1%} "
+                  f"({time.perf_counter() - t_point:.0f} s)", flush=True)
+    finally:
+        rocks.close()
+        shutil.rmtree(rocks_path, ignore_errors=True)
+    return points
+
+
 def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, prefilled_lmdb: str, n_distinct: int,
                args: argparse.Namespace,
                work_dir: str) -> dict[str, Any]:
@@ -534,7 +676,7 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, prefilled_
     result["pass_budget_rows"] = budget
     result["passes_per_segment"] = statistics.median(len(p) for p in seg_passes)
     paths = {name: os.path.join(work_dir, f"tier-{batch}-{dim}-{name}")
-             for name in ("cache", "ahead", "passes", "rocksdb", "lru")}
+             for name in ("cache", "ahead", "passes", "update", "rocksdb", "rmw", "lru")}
     paths["lmdb"] = os.path.join(work_dir, f"tier-{batch}-{dim}-lmdb")
     for name, p in paths.items():
         shutil.rmtree(p, ignore_errors=True)
@@ -544,7 +686,10 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, prefilled_
     cache = EmbeddingCache(cfg, [table_config(dim)])
     ahead_cache = EmbeddingCache(dataclasses.replace(cfg, path=paths["ahead"]), [table_config(dim)])
     pass_cache = EmbeddingCache(dataclasses.replace(cfg, path=paths["passes"]), [table_config(dim)])
+    update_cache = EmbeddingCache(dataclasses.replace(cfg, path=paths["update"]), [table_config(dim)])
     rocks = open_store("rocksdb", os.path.join(paths["rocksdb"], STORE_SUBDIR))
+    rmw = open_store("rocksdb", os.path.join(paths["rmw"], STORE_SUBDIR))
+    redis_srv: RedisServer | None = None
     lru_store = open_store("rocksdb", os.path.join(paths["lru"], STORE_SUBDIR))
     lmdb = open_store("lmdb", os.path.join(paths["lmdb"], STORE_SUBDIR))
     profile = cProfile.Profile() if args.profile else None
@@ -557,6 +702,28 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, prefilled_
         keys = {id(b): torch.from_numpy(b) for b in batches}
         wb = 4 * dim
         found_all = [True]
+        grads = torch.randn(batch, dim, generator=torch.Generator().manual_seed(args.seed + 7)) * 0.1
+        redis_client: Any = None
+        try:
+            redis_srv = RedisServer(os.path.join(work_dir, f"redis-{batch}-{dim}"))
+            redis_client = redis_srv.client()
+            t0 = time.perf_counter()
+            load_redis(redis_client, rocks, np.unique(ids), wb)
+            result["redis_load_seconds"] = time.perf_counter() - t0
+            result["redis_parser"] = redis_srv.parser
+        except RedisUnavailable as exc:
+            result["redis"] = {"available": False, "reason": str(exc)}
+            print(f"  Redis peer skipped: {exc}", flush=True)
+
+        def update_lookup(b: np.ndarray) -> None:
+            update_cache.lookup(TABLE, keys[id(b)], out=out)
+            update_cache.apply_gradients(TABLE, keys[id(b)], grads)
+
+        def rmw_lookup(b: np.ndarray) -> None:
+            read_modify_write(rmw, b, grads, out_np, wb)
+
+        def redis_lookup(b: np.ndarray) -> None:
+            found_all[0] &= redis_get(redis_client, b, out_np, dim)
 
         def cache_lookup(b: np.ndarray) -> None:
             cache.lookup(TABLE, keys[id(b)], out=out)
@@ -604,7 +771,10 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, prefilled_
         contenders: dict[str, Callable[[list[np.ndarray]], None]] = {
             "cache": per_batch(cache_lookup), "cache_lookahead": ahead_segment, "cache_passes": pass_segment,
             "rocksdb": per_batch(rocks_lookup), "lmdb": per_batch(lmdb_lookup),
-            "dict_lru": per_batch(lru_lookup)}
+            "dict_lru": per_batch(lru_lookup),
+            "cache_update": per_batch(update_lookup), "rocksdb_rmw": per_batch(rmw_lookup)}
+        if redis_client is not None:
+            contenders["redis"] = per_batch(redis_lookup)
         warm_s: dict[str, float] = {}
         for name, fn in contenders.items():
             t0 = time.perf_counter()
@@ -648,13 +818,26 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, prefilled_
         ps = pass_cache.stats()[TABLE]
         result["cache_passes_hit_rates"] = {t: ps[t]["hits"] / ps["lookups"] for t in ("hbm", "ddr", "ssd")}
         result["cache_passes_begin_wait_seconds"] = ps["pass"]["wait_seconds"]
+        us = update_cache.stats()[TABLE]
+        result["cache_update_hit_rates"] = {t: us[t]["hits"] / us["lookups"] for t in ("hbm", "ddr", "ssd")}
+        # the two updaters applied the same gradients to the same rows in the same order: compare some rows
+        probe = np.unique(ids)[:: max(1, n_distinct // 2048)]
+        mine = update_cache.lookup(TABLE, torch.from_numpy(probe)).numpy()
+        theirs = rmw.get_many(TABLE, probe)[1][:, :wb].view(np.float32)
+        result["update_max_abs_diff_vs_rmw"] = float(np.abs(mine - theirs).max())
+        assert result["update_max_abs_diff_vs_rmw"] < 1e-4, (
+            f"embcache's updates and the RocksDB read-modify-write differ by {result['update_max_abs_diff_vs_rmw']}")
     finally:
         cache.close()
         ahead_cache.close()
         pass_cache.close()
+        update_cache.close()
         rocks.close()
+        rmw.close()
         lru_store.close()
         lmdb.close()
+        if redis_srv is not None:
+            redis_srv.close()
         for p in paths.values():
             shutil.rmtree(p, ignore_errors=True)
     # RocksDB direct reads each distinct key of a batch once; the cache reads only its misses. If
@@ -667,6 +850,17 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, prefilled_
     result["passes_vs_rocksdb"] = result["cache_passes"]["rows_per_s"] / result["rocksdb"]["rows_per_s"]
     result["vs_dict_lru"] = result["cache"]["rows_per_s"] / result["dict_lru"]["rows_per_s"]
     result["vs_lmdb"] = result["cache"]["rows_per_s"] / result["lmdb"]["rows_per_s"]
+    result["update_vs_rmw"] = result["cache_update"]["rows_per_s"] / result["rocksdb_rmw"]["rows_per_s"]
+    if result.get("redis", {}).get("available", True):
+        result["redis"]["available"] = True
+        result["vs_redis"] = result["cache"]["rows_per_s"] / result["redis"]["rows_per_s"]
+        print(f"  Redis MGET (unique keys, all rows in Redis) {fmt_rate(result['redis']['rows_per_s'])} rows/s: "
+              f"embcache {result['vs_redis']:.2f}x", flush=True)
+    uh = result["cache_update_hit_rates"]
+    print(f"  lookup + row-wise AdaGrad update: embcache {fmt_rate(result['cache_update']['rows_per_s'])} rows/s "
+          f"(hits HBM {uh['hbm']:.1%} DDR {uh['ddr']:.1%} SSD {uh['ssd']:.1%}), RocksDB read-modify-write "
+          f"{fmt_rate(result['rocksdb_rmw']['rows_per_s'])} rows/s: {result['update_vs_rmw']:.2f}x "
+          f"(rows agree to {result['update_max_abs_diff_vs_rmw']:.1e})", flush=True)
     hr = result["cache_hit_rates"]
     print(f"  embcache {fmt_rate(result['cache']['rows_per_s'])} rows/s (hits: HBM {hr['hbm']:.1%}, "
           f"DDR {hr['ddr']:.1%}, SSD {hr['ssd']:.1%}); RocksDB direct {fmt_rate(result['rocksdb']['rows_per_s'])} "
@@ -700,7 +894,8 @@ def profile_summary(profile: cProfile.Profile, top: int = 15) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- report
-def summary_rows(hot: list[dict[str, Any]], tiered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summary_rows(hot: list[dict[str, Any]], tiered: list[dict[str, Any]],
+                 sweep: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One row per (case, reference) with the ratio and whether the target is met."""
     rows: list[dict[str, Any]] = []
 
@@ -732,6 +927,16 @@ def summary_rows(hot: list[dict[str, Any]], tiered: list[dict[str, Any]]) -> lis
             r["lmdb"]["rows_per_s"], TARGETS["tiered"])
         add(f"tiered lookup {tag}", r["cache"]["rows_per_s"], "Python dict LRU + RocksDB",
             r["dict_lru"]["rows_per_s"], None)
+        redis = r.get("redis", {})
+        add(f"tiered lookup {tag}", r["cache"]["rows_per_s"],
+            "Redis MGET, all rows in Redis" if redis.get("available") else
+            f"Redis MGET (skipped: {redis.get('reason', 'not run')})", redis.get("rows_per_s"), None)
+        add(f"tiered lookup + row-wise AdaGrad update {tag}", r["cache_update"]["rows_per_s"],
+            "RocksDB read-modify-write direct", r["rocksdb_rmw"]["rows_per_s"], None)
+    for pt in sweep or []:
+        add(f"tiered lookup, HBM {pt['hbm_fraction']:.1%} / DDR {pt['ddr_fraction']:.1%} B={pt['batch']:,} "
+            f"d={pt['dim']}", pt["cache"]["rows_per_s"], "RocksDB multi-get direct (same sweep point)",
+            pt["rocksdb"]["rows_per_s"], None)
     return rows
 
 
@@ -739,7 +944,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     """The summary as a Markdown table."""
     body = []
     for r in rows:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        ratio = "n/a" if r["ratio"] is None else format_ratio(r["ratio"], r["target"])
         target = "—" if r["target"] is None else f">= {r['target']:g}x"
         met = "n/a" if r["met"] is None else ("yes" if r["met"] else "**no**")
         body.append([r["case"], fmt_rate(r["rows_per_s"]), r["reference"], fmt_rate(r["reference_rows_per_s"]),
@@ -757,10 +962,65 @@ def render_hits(tiered: list[dict[str, Any]]) -> str:
                      f"{r['ddr_rows']:,}", f"{h['hbm']:.1%}", f"{h['ddr']:.1%}", f"{h['ssd']:.1%}",
                      f"{r['dict_lru_hit_rate']:.1%}", f"{r['cache_store_rows_read_per_lookup']:.3f}",
                      f"{r['rocksdb_rows_read_per_lookup']:.3f}", f"{r['speedup_bound_if_memory_were_free']:.1f}x",
-                     f"{r['cache_passes_hit_rates']['ssd']:.1%}", f"{r['passes_per_segment']:g}"])
+                     f"{r['cache_passes_hit_rates']['ssd']:.1%}", f"{r['passes_per_segment']:g}",
+                     f"{r['cache_update_hit_rates']['ssd']:.1%}"])
     return markdown_table(["tiered case", "rows stored", "HBM rows", "DDR rows", "HBM hits", "DDR hits", "SSD reads",
                            "dict LRU hits", "store reads/key: embcache", "RocksDB direct", "bound",
-                           "SSD reads with passes", "passes per segment"], body)
+                           "SSD reads with passes", "passes per segment", "SSD reads, lookup + update"], body)
+
+
+def render_sweep(sweep: list[dict[str, Any]]) -> str:
+    """The tier-size sweep as a Markdown table."""
+    body = [[f"{p['hbm_fraction']:.1%} ({p['hbm_rows']:,})", f"{p['ddr_fraction']:.1%} ({p['ddr_rows']:,})",
+             fmt_rate(p["cache"]["rows_per_s"]), fmt_rate(p["rocksdb"]["rows_per_s"]), format_ratio(p["vs_rocksdb"]),
+             f"{p['hit_rates']['hbm']:.1%}", f"{p['hit_rates']['ddr']:.1%}", f"{p['hit_rates']['ssd']:.1%}",
+             f"{p['store_rows_read_per_lookup']:.3f}"] for p in sweep]
+    return markdown_table(["HBM (rows)", "DDR (rows)", "embcache rows/s", "RocksDB direct rows/s", "ratio",
+                           "HBM hits", "DDR hits", "SSD reads", "store reads/key"], body)
+
+
+def plot_sweep(sweep: list[dict[str, Any]], path: str, title: str) -> None:
+    """Throughput (with RocksDB direct beside it) and per-tier hit rates against the HBM size (DDR = 10x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [100 * p["hbm_fraction"] for p in sweep]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for key, label, style in (("cache", "embcache tiered lookup", "-o"), ("rocksdb", "RocksDB direct", "--s")):
+        y = [p[key]["rows_per_s"] for p in sweep]
+        lo = [p[key]["rows_per_s"] - p[key]["rows_per_s_min"] for p in sweep]
+        hi = [p[key]["rows_per_s_max"] - p[key]["rows_per_s"] for p in sweep]
+        ax.errorbar(x, y, yerr=[lo, hi], fmt=style, capsize=3, label=label)
+    for p, xv in zip(sweep, x, strict=True):
+        ax.annotate(format_ratio(p["vs_rocksdb"]), (xv, p["cache"]["rows_per_s"]), textcoords="offset points",
+                    xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xticks(x, [f"{v:g}%\n(DDR {100 * p['ddr_fraction']:.0f}%)" for v, p in zip(x, sweep, strict=True)])
+    ax.minorticks_off()
+    ax.set_xlabel("HBM tier (share of the stored rows); DDR = 10x HBM")
+    ax.set_ylabel("rows/s (median; bars: min-max)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("throughput", fontsize=10)
+    bottom = np.zeros(len(sweep))
+    for tier, color in (("hbm", "tab:green"), ("ddr", "tab:blue"), ("ssd", "tab:red")):
+        vals = np.array([100 * p["hit_rates"][tier] for p in sweep])
+        bx.bar(range(len(sweep)), vals, 0.6, bottom=bottom, color=color, label=tier.upper() if tier != "ssd" else
+               "SSD (store reads)")
+        bottom += vals
+    bx.set_xticks(range(len(sweep)), [f"{v:g}%" for v in x])
+    bx.set_xlabel("HBM tier (share of the stored rows)")
+    bx.set_ylabel("share of lookups (%)")
+    bx.set_ylim(0, 100)
+    bx.legend(fontsize=8, loc="lower right")
+    bx.set_title("where lookups were served", fontsize=10)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(hot: list[dict[str, Any]], tiered: list[dict[str, Any]], path: str, title: str) -> None:
@@ -786,14 +1046,19 @@ def plot(hot: list[dict[str, Any]], tiered: list[dict[str, Any]], path: str, tit
                          "embcache + passes": r.get("cache_passes", {}).get("rows_per_s"),
                          "RocksDB direct": r["rocksdb"]["rows_per_s"],
                          "LMDB direct": r.get("lmdb", {}).get("rows_per_s"),
+                         "Redis MGET": r.get("redis", {}).get("rows_per_s"),
                          "dict LRU": r["dict_lru"]["rows_per_s"]} for r in tiered]))
+        panels.append(("tiered lookup + row-wise AdaGrad update", [f"B={r['batch']}\nd={r['dim']}" for r in tiered],
+                       [{"embcache": r["cache_update"]["rows_per_s"],
+                         "RocksDB read-modify-write": r["rocksdb_rmw"]["rows_per_s"]} for r in tiered]))
     colors = {"embcache": "#1f77b4", "embcache + LookAhead": "#17becf", "embcache + passes": "#9467bd",
               "index_select ceiling": "#7f7f7f",
               "FBGEMM fwd": "#ff7f0e",
-              "FBGEMM fwd+bwd": "#ff7f0e", "RocksDB direct": "#2ca02c", "LMDB direct": "#8c564b", "dict LRU": "#d62728"}
+              "FBGEMM fwd+bwd": "#ff7f0e", "RocksDB direct": "#2ca02c", "LMDB direct": "#8c564b", "dict LRU": "#d62728",
+              "Redis MGET": "#e377c2", "RocksDB read-modify-write": "#2ca02c"}
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), squeeze=False)
     for ax, (name, labels, groups) in zip(axes[0], panels, strict=True):
-        series = list(groups[0])
+        series = [name for name in groups[0] if any(g[name] for g in groups)]  # drop peers not run
         width = 0.8 / len(series)
         for j, s in enumerate(series):
             vals = [g[s] or 0.0 for g in groups]
@@ -808,10 +1073,10 @@ def plot(hot: list[dict[str, Any]], tiered: list[dict[str, Any]], path: str, tit
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_ylabel("rows/s")
         ax.set_title(name, fontsize=10)
-        ax.legend(fontsize=7, loc="upper left", ncol=len(series))
+        ax.legend(fontsize=7, loc="upper left", ncol=min(len(series), 2))
         ax.grid(axis="y", which="both", alpha=0.3)
         positive = [v for g in groups for v in g.values() if v]
-        ax.set_ylim(min(positive) / 3, max(positive) * 6)
+        ax.set_ylim(min(positive) / 3, max(positive) * 20)  # room for the legend
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -819,7 +1084,8 @@ def plot(hot: list[dict[str, Any]], tiered: list[dict[str, Any]], path: str, tit
 
 
 # ---------------------------------------------------------------------------------- main
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (see the module docstring)."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="batch 8,192, dim 64, short traces, 3 repeats (< 3 min)")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
@@ -839,8 +1105,13 @@ def main() -> None:
     ap.add_argument("--fbgemm-python", default=None, help="python of a venv with fbgemm-gpu-cpu")
     ap.add_argument("--work-dir", default=None, help="where the stores go (default: a temporary directory)")
     ap.add_argument("--profile", action="store_true", help="cProfile the cache's tiered lookup (into the JSON)")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/cache.json, quick: cache-quick.json)")
-    args = ap.parse_args()
+    ap.add_argument("--sweep", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                    help="HBM shares of the tier-size sweep, DDR = 10x (default 0.005,0.01,0.02,0.04; quick 0.01,0.04; "
+                    "'0' skips it)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"),
+                    help="results directory (default bench/results): cache.json/.md/.png and cache-tiers.png "
+                    "(quick: cache-quick.*, cache-quick-tiers.png)")
+    args = ap.parse_args(argv)
     q = args.quick
     args.batches = args.batches or ([8192] if q else [8192, 65536])
     args.dims = args.dims or ([64] if q else [64, 128])
@@ -849,13 +1120,14 @@ def main() -> None:
     args.update_rows = args.update_rows or (1 << 16 if q else 1 << 18)
     args.repeats = args.repeats or (3 if q else 7)
     args.segments = args.segments or (4 if q else 8)
+    args.sweep = [f for f in (args.sweep or (QUICK_SWEEP_HBM_FRACTIONS if q else SWEEP_HBM_FRACTIONS)) if f > 0]
     cases = set(args.cases.split(","))
-    out_json = args.out or os.path.join(HERE, "results", "cache-quick.json" if q else "cache.json")
-    stem = os.path.splitext(out_json)[0]
+    stem = os.path.join(args.out, "cache-quick" if q else "cache")
+    out_json = stem + ".json"
 
     set_threads(args.threads)
     started = time.perf_counter()
-    info = machine_info()
+    info = machine_info(("redis", "hiredis"), script=__file__, argv=sys.argv[1:] if argv is None else argv)
     info["numba_threads"] = numba_threads()
     info["embcache_source_sha256"] = source_digest()  # the working tree may differ from git_commit
     print(f"embcache benchmark ({'quick' if q else 'full'}): batches {args.batches}, dims {args.dims}, "
@@ -867,6 +1139,7 @@ def main() -> None:
     os.makedirs(work_dir, exist_ok=True)
     hot: list[dict[str, Any]] = []
     tiered: list[dict[str, Any]] = []
+    sweep: list[dict[str, Any]] = []
     try:
         if "hot" in cases:
             ids = zipf_ids(args.hot_accesses, args.seed)
@@ -892,18 +1165,26 @@ def main() -> None:
                     r = run_tiered(batch, dim, ids, prefilled, prefilled_lmdb, len(uniq), args, work_dir)
                     r["prefill_seconds"] = secs
                     tiered.append(r)
+                if args.sweep and dim == args.dims[0]:
+                    sb = args.batches[0]
+                    shares = ", ".join(f"{f:.1%}" for f in args.sweep)
+                    print(f"[tier sweep] batch {sb:,}, dim {dim}: HBM {shares} of the rows, DDR {DDR_PER_HBM}x HBM",
+                          flush=True)
+                    for pt in run_tier_sweep(sb, dim, ids, prefilled, len(uniq), args.sweep, args, work_dir):
+                        sweep.append({"batch": sb, "dim": dim, **pt})
                 shutil.rmtree(prefilled, ignore_errors=True)
                 shutil.rmtree(prefilled_lmdb, ignore_errors=True)
     finally:
         if own_tmp:
             shutil.rmtree(work_dir, ignore_errors=True)
 
-    rows = summary_rows(hot, tiered)
+    rows = summary_rows(hot, tiered, sweep)
     table = render_table(rows)
     hits = render_hits(tiered) if tiered else ""
+    sweep_md = render_sweep(sweep) if sweep else ""
     info["loadavg_at_end"] = list(os.getloadavg())
     elapsed = time.perf_counter() - started
-    command = " ".join([".venv/bin/python", "bench/bench_cache.py", *sys.argv[1:]])
+    command = info["command"]
     result = {
         "benchmark": "embcache cache lookup / lookup+update vs ceiling and peers",
         "command": command,
@@ -917,6 +1198,7 @@ def main() -> None:
         "summary": rows,
         "all_hot": hot,
         "tiered": tiered,
+        "tier_sweep": sweep,
         "elapsed_seconds": elapsed,
         "notes": [
             "rows/s are medians over repeats after a discarded warm-up (tiered: over timed segments after a "
@@ -928,13 +1210,31 @@ def main() -> None:
             "EXACT_ROWWISE_ADAGRAD; fbgemm-gpu-cpu 1.9.0 fails to load with torch 2.13 (undefined symbol "
             "torch::autograd::_wrap_outputs; it is built for torch 2.14), 1.8.0 is the matching release",
             "the machine may be shared: see loadavg_at_start/at_end",
+            "tiered lookup + update: lookup then apply_gradients (row-wise AdaGrad) per batch; the RocksDB peer "
+            "reads the batch's unique keys (one multi-get), updates the rows in numpy and writes them back (one "
+            "multi-put); the updated rows of both are checked to agree",
+            "Redis peer: every stored row's float32 weights as one value of bytes per key in a private redis-server "
+            "on 127.0.0.1 (no persistence), MGET of the batch's unique keys; skipped with the reason when "
+            "redis-server or redis-py is missing",
+            f"tier sweep: HBM at {', '.join(f'{f:.1%}' for f in args.sweep)} of the stored rows, DDR {DDR_PER_HBM}x "
+            "HBM, batch and dim of the first tiered case; each point alternates with RocksDB direct",
         ],
     }
     write_json(out_json, result)
+    sweep_section = ""
+    if sweep:
+        sweep_section = (f"\n## Throughput vs tier sizes (`{os.path.basename(stem)}-tiers.png`)\n\n"
+                         f"Batch {sweep[0]['batch']:,}, dim {sweep[0]['dim']}, DDR = {DDR_PER_HBM}x HBM; median of "
+                         f"{args.segments} segments.\n\n{sweep_md}\n")
     with open(stem + ".md", "w") as f:
         f.write(f"# embcache benchmark ({result['mode']})\n\nCommand: `{result['command']}`  \n"
                 f"Machine: {info['cpu_model']}, {info['cpu_count']} cores, torch {info['packages']['torch']}, "
-                f"commit {info['git_commit']}\n\n{table}\n\n{hits}\n")
+                f"commit {str(info['git_commit'])[:7]}{' (dirty tree)' if info['git_dirty'] else ''}, "
+                f"{info['started_at']}\n\n{table}\n\n{hits}\n{sweep_section}")
+    if sweep:
+        plot_sweep(sweep, stem + "-tiers.png",
+                   f"embcache tiered lookup vs tier sizes ({result['mode']}): batch {sweep[0]['batch']:,}, dim "
+                   f"{sweep[0]['dim']}, Zipf({ALPHA}) over 10M ids, {torch.get_num_threads()} thread(s)")
     plot(hot, tiered, stem + ".png",
          f"embcache ({result['mode']}): {info['cpu_count']} cores, {torch.get_num_threads()} thread(s) per contender, "
          f"Zipf({ALPHA}) over 10M ids, row-wise AdaGrad, median of repeats")
@@ -943,8 +1243,12 @@ def main() -> None:
     if hits:
         print()
         print(hits)
-    print(f"\nwrote {out_json}, {stem}.md, {stem}.png ({elapsed:.0f} s)")
+    if sweep_md:
+        print()
+        print(sweep_md)
+    print(f"\nwrote {out_json}, {stem}.md, {stem}.png{f', {stem}-tiers.png' if sweep else ''} ({elapsed:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
