@@ -241,8 +241,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("sampling rate (star: the default)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[1].set_yscale("log")
+    axes[0].set_ylim(bottom=0)  # linear: rate 1 is exact (0), a log axis would stretch its rounding
+    axes[1].set_ylim(bottom=0)
     axes[2].set_yscale("log")
     axes[0].legend()
     cfg = result["config"]

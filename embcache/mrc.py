@@ -24,7 +24,7 @@ points. At the default rate, with HBM 40k / DDR 160k rows over 4M lookups of 2M 
 1/256, smallest shadow 39 rows, 6k-15k keys sampled): at most 0.006 (Zipf 0.8), 0.005 (Zipf 1.05),
 0.003 (Zipf 1.2) and 0.012 (drifting popularity); mean 0.001-0.008. The error grows as the
 sample shrinks: with HBM 4k rows over 400k lookups (``--quick``: still 1/256, 4-row shadows,
-0.4k-1.3k keys sampled) it reaches 0.078 (Zipf 0.8) and 0.067 (Zipf 1.05). A higher
+0.4k-1.3k keys sampled) it reaches 0.05-0.08 (Zipf 0.8 and 1.05). A higher
 ``CacheConfig.mrc_sample_rate`` buys accuracy there: 1/16 brings that case to at most 0.018. In
 the larger case every rate from 1/256 to 0.2 stays within 0.016: what remains does not shrink
 with the rate. ``tests/test_mrc.py`` checks the default on the ``--quick`` case.
@@ -95,7 +95,7 @@ def auto_sample_rate(hbm_rows: int) -> float:
     the shadows, rate 1, halved a tiered lookup's throughput on 2 cores), so the rate is kept
     low. Its error, measured against exact replays over the same window by
     ``bench/bench_mrc.py`` (see the module docstring): at most 0.003-0.012 in hit ratio with HBM
-    40k rows over 4M lookups, up to 0.078 with HBM 4k rows over 400k lookups, where the sample is
+    40k rows over 4M lookups, up to about 0.08 with HBM 4k rows over 400k lookups, where the sample is
     a thousand keys. With HBM under 524k rows the cap leaves the smallest shadow below 512 rows,
     so the curve is coarser there: set ``CacheConfig.mrc_sample_rate`` higher (1/16 brought the
     small case to 0.018), or size offline with ``embcache sizing``.
