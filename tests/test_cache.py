@@ -468,13 +468,16 @@ def test_disk_full_during_write_back_loses_nothing(small_disk: Any, store: str) 
     table = TableConfig(name="t", dim=64, optimizer="sgd", lr=1.0, seed=9)
     cache = EmbeddingCache(cfg, [table])
     filler = small_disk / "filler"
-    with open(filler, "wb") as f:  # fill the disk, then leave 1 MB for the store
-        try:
-            while True:
-                f.write(b"\0" * (1 << 16))
-                f.flush()
-        except OSError:
-            pass
+
+    def fill_disk() -> None:
+        with open(filler, "ab", buffering=0) as f:  # unbuffered: nothing left to fail at close
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 12))
+            except OSError:
+                pass
+
+    fill_disk()  # fill the disk, then leave 1 MB for the store
     os.truncate(filler, os.path.getsize(filler) - 1_000_000)
     applied = 0
     with pytest.raises(StoreFullError, match=r"No space left|disk is still full"):
@@ -486,8 +489,14 @@ def test_disk_full_during_write_back_loses_nothing(small_disk: Any, store: str) 
     keys = torch.arange(applied + 64)
     want = expected_init(table, keys)
     want[:applied] -= 1.0
+    # The rows not in memory are looked up 4 times each: hot enough to displace the dirty resident
+    # rows, whose write-back the (now completely) full disk refuses; the lookup still serves every row.
+    fill_disk()
+    resident = torch.cat([cache.resident_keys("t", "hbm"), cache.resident_keys("t", "ddr")])
+    cold = ~torch.isin(keys, resident)
+    batch = torch.cat([keys, keys[cold].repeat(3)])
     with pytest.warns(UserWarning, match="could not be cached"):
-        torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
+        torch.testing.assert_close(cache.lookup("t", batch), torch.cat([want, want[cold].repeat(3, 1)]), rtol=0, atol=0)
     os.remove(filler)  # room again: writes, flush and close go through
     cache.apply_gradients("t", keys[applied:], torch.ones(64, 64))
     want[applied:] -= 1.0

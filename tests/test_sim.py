@@ -225,9 +225,13 @@ CASES = random_traces()
 
 
 def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | None = None) -> int:
-    """LRFU with count-min admission, as LrfuSim: aged frequency scores, exact minimum evicted."""
+    """LRFU with count-min admission, as LrfuSim: aged frequency scores, exact minimum evicted.
+
+    The sketch is 8x the capacity wide and updated conservatively: a key's counters rise to
+    min(counters) + increment, no further.
+    """
     width = 1
-    while width < max(4 * capacity, 64):
+    while width < max(8 * capacity, 64):
         width *= 2
     sketch = [[0.0] * width for _ in range(4)]
     scores: dict[int, float] = {}
@@ -240,9 +244,9 @@ def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | No
             scores[k] += inc
         else:
             cells = [rp.sketch_hash(k, r) % width for r in range(4)]
+            est = min(sketch[r][c] for r, c in enumerate(cells)) + inc
             for r, c in enumerate(cells):
-                sketch[r][c] += inc
-            est = min(sketch[r][c] for r, c in enumerate(cells))
+                sketch[r][c] = max(sketch[r][c], est)
             if capacity and len(scores) < capacity:
                 scores[k] = est
             elif capacity:
