@@ -171,7 +171,7 @@ def provenance(b: Bench, doc: dict[str, Any]) -> dict[str, Any]:
     Stale: no commit recorded, a commit not in this repository's history, or one older than the
     latest change to ``embcache/`` or the benchmark's script (that change is not an ancestor of it).
     """
-    m = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
+    m: dict[str, Any] = doc["machine"] if isinstance(doc.get("machine"), dict) else {}
     commit = m.get("git_commit") or doc.get("git_commit")
     when = m.get("started_at")
     if when is None and isinstance(m.get("unix_time"), (int, float)):

@@ -591,14 +591,14 @@ def main(argv: list[str] | None = None) -> int:
             numba.set_num_threads(min(args.threads, int(getattr(numba.config, "NUMBA_NUM_THREADS", args.threads))))
     progress = not args.no_progress
     t0 = time.perf_counter()
-    info = machine_info()
+    info = machine_info(script=__file__, argv=sys.argv[1:] if argv is None else argv)
     path, created = _prepare_path(args.path, args.reuse)
     guard = DiskGuard(path, int(args.min_free_gib * GIB), int(args.max_used_gib * GIB))
     disk_before = shutil.disk_usage(path)
     print(f"data under {path}; disk: {disk_before.used / 1e9:.1f} GB used, {disk_before.free / 1e9:.1f} GB free; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     res: dict[str, Any] = {"benchmark": "big table (about 2x RAM) trained within the memory budget",
-                           "command": " ".join([".venv/bin/python bench/bench_big.py", *sys.argv[1:]]),
+                           "command": info["command"],
                            "machine": info, "mode": vars(mode), "dim": DIM, "optimizer": OPTIMIZER, "batch": BATCH,
                            "alpha": ALPHA, "record_bytes": record_bytes(), "overhead_allowance_bytes": OVERHEAD_BYTES,
                            "reused": bool(args.reuse), "disk_before": disk_before._asdict(),
@@ -653,7 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(stem + ".md").write_text(f"# Big table: {mode.rows:,} rows, about "
                                   f"{res['store_bytes_after_load'] / info['mem_total_bytes']:.1f}x RAM\n\n"
                                   f"Command: `{res['command']}`; {info['cpu_count']} CPUs, commit "
-                                  f"`{(info['git_commit'] or 'unknown')[:12]}`.\n\n{table}\n")
+                                  f"`{(info['git_commit'] or 'unknown')[:12]}`"
+                                  f"{' (dirty tree)' if info['git_dirty'] else ''}, {info['started_at']}."
+                                  f"\n\n{table}\n")
     plot(res, stem + ".png")
     print(f"wrote {stem}.json/.md/.png ({res['seconds']:.0f} s)")
     return 2 if res["train"]["aborted"] else 0

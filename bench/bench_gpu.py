@@ -7,7 +7,9 @@ Run from the repository root::
     .venv/bin/python bench/bench_gpu.py --device cpu    # the same measurement on the CPU (a check of the code)
 
 With ``--device auto`` (the default) on a machine without CUDA it prints that it is skipped,
-writes nothing and exits 0; ``--device cuda`` there is an error.
+writes nothing and exits 0; ``--device cuda`` there prints why it cannot run (torch built with
+or without CUDA, no device visible) and exits 2. ``python -m bench --device cuda`` (or the
+default ``auto`` on a CUDA machine) runs it as ``bench_gpu.py [--quick] --device cuda``.
 
 Setup, per dim: an ``EmbeddingCache`` (row-wise AdaGrad, RocksDB store in a temporary
 directory) whose HBM tier has room for ``--rows`` (1M) rows plus 1%, and a 64 MiB DDR tier
@@ -29,8 +31,14 @@ the JSON). Reference, stated and not measured here: NVIDIA's HierarchicalKV publ
 load factor 1.0 in HBM); its ``find`` returns value pointers, so it compares with the lookup
 here less the row copy.
 
-Writes ``bench/results/gpu.json`` and ``gpu.md`` (``gpu-quick.*`` with ``--quick``), with
-``summary`` rows (the cache's HBM lookup over ``index_select``) for ``python -m bench``.
+The CUDA device is named with its index (``cuda:0``, not ``cuda``), for the cache and for every
+tensor: ``EmbeddingCache.lookup`` checks ``out.device == `` the cache's device, and
+``torch.device("cuda") != torch.device("cuda:0")`` although tensors made on ``"cuda"`` live on
+``cuda:0``. The JSON records whether the DDR tier's memory is pinned (``ddr_pinned``).
+
+Writes ``bench/results/gpu.json``, ``gpu.md`` and ``gpu.png`` (``gpu-quick.*`` with ``--quick``),
+with ``summary`` rows (the cache's HBM lookup and update over ``index_select``) for
+``python -m bench``; the JSON's ``machine`` entry names the GPU.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from bench._common import machine_info, markdown_table, write_json  # noqa: E402
+from bench._common import format_ratio, machine_info, markdown_table, write_json  # noqa: E402
 from bench.bench_index import timings  # noqa: E402
 from bench.workloads import zipf_ranks  # noqa: E402
 from embcache import CacheConfig, EmbeddingCache, TableConfig  # noqa: E402
@@ -67,13 +75,41 @@ DDR_BYTES = 64 << 20
 FILL_CHUNK = 65536
 
 
+class CudaUnavailable(RuntimeError):
+    """``--device cuda`` on a machine where torch sees no CUDA device (the message says why)."""
+
+
+def cuda_missing_reason() -> str:
+    """Why torch cannot use CUDA here, in words."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}, or no driver)")
+
+
 def resolve_device(name: str) -> torch.device | None:
-    """The device to measure on; None when ``auto`` finds no CUDA (the benchmark is skipped)."""
+    """The device to measure on, CUDA with its index; None when ``auto`` finds no CUDA (skipped).
+
+    Raises:
+        CudaUnavailable: ``name`` is "cuda" and torch sees no CUDA device.
+    """
     if name == "auto":
-        return torch.device("cuda") if torch.cuda.is_available() else None
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available on this machine")
+        name = "cuda" if torch.cuda.is_available() else ""
+        if not name:
+            return None
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise CudaUnavailable(f"--device cuda, but {cuda_missing_reason()}")
+        return torch.device("cuda", torch.cuda.current_device())  # "cuda:0": see the module docstring
     return torch.device(name)
+
+
+def ddr_pinned(cache: EmbeddingCache) -> bool | None:
+    """Whether the table's DDR tier lives in pinned host memory (None if that cannot be seen)."""
+    try:
+        return bool(cache._tables[TABLE].ddr.weights.is_pinned())  # type: ignore[attr-defined]
+    except (AttributeError, KeyError, RuntimeError):
+        return None
 
 
 def make_sync(device: torch.device) -> Callable[[], None]:
@@ -114,6 +150,7 @@ def run_dim(dim: int, rows: int, batch: int, reps: int, n_batches: int, device: 
             cache.lookup(TABLE, ids[start:start + FILL_CHUNK].to(device))
         st = cache.stats()[TABLE]["hbm"]
         out["hbm_capacity_rows"] = st["capacity_rows"]
+        out["ddr_pinned"] = ddr_pinned(cache)
         if st["resident_rows"] != rows:
             raise RuntimeError(f"expected all {rows} rows in the HBM tier after filling, found {st['resident_rows']}")
         ids_dev = ids.to(device)
@@ -146,10 +183,42 @@ def render(res: dict[str, Any]) -> str:
         for trace, c in r["traces"].items():
             look, upd, sel = c["lookup"]["keys_per_s"], c["update"]["keys_per_s"], c["index_select"]["keys_per_s"]
             rows.append([r["dim"], trace, f"{c['hbm_hit_ratio']:.1%}", f"{look / 1e6:,.1f}M", f"{upd / 1e6:,.1f}M",
-                         f"{sel / 1e6:,.1f}M", f"{look / sel:.2f}x",
+                         f"{sel / 1e6:,.1f}M", format_ratio(look / sel), format_ratio(upd / sel),
                          f"{look / HKV_FINDS_PER_S:.3f}x" if r["dim"] == 64 else "—"])
     return markdown_table(["dim", "keys", "HBM hits", "lookup keys/s", "update keys/s", "index_select keys/s",
-                           "lookup / index_select", "lookup / HKV 2e9 (stated)"], rows)
+                           "lookup / index_select", "update / index_select",
+                           "lookup / HKV 2e9 (published, not measured)"], rows)
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    """Keys/s (log) of lookup, update and index_select per dim and key trace, with HierarchicalKV's stated rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(f"dim {r['dim']}\n{trace}", c) for r in res["results"] for trace, c in r["traces"].items()]
+    ops = (("lookup", "embcache lookup"), ("update", "embcache update (row-wise AdaGrad)"),
+           ("index_select", "index_select (no index)"))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) + 2), 4.4))
+    width = 0.8 / len(ops)
+    for j, (op, label) in enumerate(ops):
+        xs = [i + (j - (len(ops) - 1) / 2) * width for i in range(len(groups))]
+        med = [c[op]["keys_per_s"] for _, c in groups]
+        err = [[m - c[op]["keys_per_s_min"] for m, (_, c) in zip(med, groups, strict=True)],
+               [c[op]["keys_per_s_max"] - m for m, (_, c) in zip(med, groups, strict=True)]]
+        ax.bar(xs, med, width, yerr=err, capsize=2, label=label)
+    ax.axhline(HKV_FINDS_PER_S, color="k", ls="--", lw=1,
+               label="HierarchicalKV find, dim 64, A100 (published, not measured)")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=8)
+    ax.set_ylabel("keys/s (median call; whiskers: fastest/slowest)")
+    ax.set_title(f"HBM-tier rates on {res['device']} ({res['device_name']}), batch {res['batch']:,}", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,10 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default 1; 0 = all cores)")
     ap.add_argument("--out", default=str(_ROOT / "bench" / "results"), help="results directory")
     args = ap.parse_args(argv)
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except CudaUnavailable as exc:
+        print(f"bench_gpu: cannot run: {exc}. Use --device auto to skip without CUDA, or --device cpu to run the "
+              "same measurement on the CPU.", file=sys.stderr, flush=True)
+        return 2
     if device is None:
-        print("bench_gpu: skipped: no CUDA device (pass --device cpu to run the same measurement on the CPU)")
+        print(f"bench_gpu: skipped: no CUDA device ({cuda_missing_reason()}; pass --device cpu to run the same "
+              "measurement on the CPU)")
         return 0
+    info = machine_info(script=__file__, argv=sys.argv[1:] if argv is None else argv)
     if device.type == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
     reps = args.reps or (10 if args.quick else 50)
@@ -183,20 +259,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{z['update']['keys_per_s'] / 1e6:.1f}M keys/s, index_select "
                   f"{z['index_select']['keys_per_s'] / 1e6:.1f}M keys/s (Zipf)", flush=True)
             results.append(r)
-    info = machine_info()
     if device.type == "cuda":
         info["cuda_device"] = torch.cuda.get_device_name(device)
     res: dict[str, Any] = {
         "benchmark": "HBM-tier lookup and update rates vs index_select",
-        "command": " ".join([".venv/bin/python bench/bench_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
-        "device": str(device), "machine": info, "optimizer": OPTIMIZER, "alpha": ALPHA, "reps": reps,
+        "command": info["command"], "device": str(device), "device_name": info.get("cuda_device") or info["cpu_model"],
+        "batch": args.batch, "machine": info, "optimizer": OPTIMIZER, "alpha": ALPHA, "reps": reps,
         "reference": {"name": "HierarchicalKV find, dim 64, A100 (published, not measured)",
                       "keys_per_s": HKV_FINDS_PER_S},
         "results": results,
-        "summary": [{"case": f"HBM-tier lookup, dim {r['dim']}, Zipf keys, on {device.type}",
-                     "ratio": r["traces"]["zipf"]["lookup"]["keys_per_s"]
-                     / r["traces"]["zipf"]["index_select"]["keys_per_s"],
-                     "reference": f"index_select on {device.type}", "target": None} for r in results],
+        "summary": [{"case": f"HBM-tier {op}, dim {r['dim']}, Zipf keys, on {device.type}",
+                     "ratio": r["traces"]["zipf"][op]["keys_per_s"] / r["traces"]["zipf"]["index_select"]["keys_per_s"],
+                     "reference": f"index_select on {device.type}", "target": None}
+                    for r in results for op in ("lookup", "update")],
         "seconds": time.perf_counter() - t0,
     }
     table = render(res)
@@ -207,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     Path(stem + ".md").write_text(
         f"# HBM-tier rates on {device.type} ({name})\n\nCommand: `{res['command']}`; batch {args.batch:,}, "
         f"{args.rows:,} rows resident in HBM, median of {reps} calls. Reference (stated, not measured): "
-        f"HierarchicalKV ~{HKV_FINDS_PER_S:.0e} finds/s at dim 64 on an A100.\n\n{table}\n")
-    print(f"wrote {stem}.json/.md ({res['seconds']:.0f} s)")
+        f"HierarchicalKV ~{HKV_FINDS_PER_S:.0e} finds/s at dim 64 on an A100. Commit "
+        f"{str(info['git_commit'])[:7]}{' (dirty tree)' if info['git_dirty'] else ''}, {info['started_at']}; "
+        f"DDR tier pinned: {', '.join(str(r.get('ddr_pinned')) for r in results)}.\n\n{table}\n")
+    plot(res, stem + ".png")
+    print(f"wrote {stem}.json/.md/.png ({res['seconds']:.0f} s)")
     return 0
 
 

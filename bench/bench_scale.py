@@ -130,6 +130,8 @@ def run_size(n_rows: int, accesses: int, segments: int, work: str, warm: bool = 
     ranks = zipf_ranks(accesses, n_rows, 1.05, np.random.default_rng(7))
     trace = keys_of(ranks)
     batches = [torch.from_numpy(trace[i:i + BATCH]) for i in range(0, len(trace) - BATCH + 1, BATCH)]
+    if len(batches) < 2:
+        raise ValueError(f"--accesses {accesses:,}: need at least two batches of {BATCH:,} (one warm-up, one timed)")
     grads = torch.full((BATCH, DIM), 1e-3)
     cfg = CacheConfig(hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, path=path, device="cpu")
     out = torch.empty(BATCH, DIM)
@@ -140,7 +142,8 @@ def run_size(n_rows: int, accesses: int, segments: int, work: str, warm: bool = 
         for b in tqdm(warm_b, desc=f"warm-up {n_rows:,}", unit="batch", leave=False):
             cache.lookup(TABLE, b, out=out)
             cache.apply_gradients(TABLE, b, grads)
-        per = max(len(timed) // segments, 1)
+        segments = max(1, min(segments, len(timed)))  # a short trace: fewer segments, none of them empty
+        per = len(timed) // segments
         seg_s, before = [], cache.stats()[TABLE]
         resident = {t: before[t]["resident_rows"] for t in ("hbm", "ddr")}
         full = {t: resident[t] / cap[t] if cap[t] else 1.0 for t in ("hbm", "ddr")}

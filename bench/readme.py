@@ -26,7 +26,8 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 # (title, result stem) of the plots shown, in this order; a stem's full result is preferred
 PLOTS = (
-    ("Lookup and lookup + update against index_select, FBGEMM, RocksDB and a dict LRU", "cache"),
+    ("Lookup and lookup + update against index_select, FBGEMM, RocksDB, LMDB, Redis and a dict LRU", "cache"),
+    ("Tiered lookup throughput and hit rates against the tier sizes", "cache-tiers"),
     ("DLRM training throughput and hit rates per pass", "dlrm"),
     ("HBM hit ratio against LRU, LFU, W-TinyLFU and Belady's OPT over capacities", "policy"),
     ("Parameter server pull/push against a raw gRPC echo and Redis", "server"),
@@ -46,7 +47,9 @@ METHOD = (
 
 
 def _plot(stem: str) -> str | None:
-    for name in (f"{stem}.png", f"{stem}-quick.png"):
+    base, _, extra = stem.partition("-")  # "cache-tiers": cache-tiers.png, else cache-quick-tiers.png
+    quick = f"{base}-quick-{extra}.png" if extra else f"{stem}-quick.png"
+    for name in (f"{stem}.png", quick):
         if (RESULTS / name).exists():
             return name
     return None

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from bench import bench_gpu
+from bench import __main__ as runner
+from bench import bench_dlrm, bench_gpu, bench_index, bench_policy, bench_scale
+from bench._common import format_ratio, machine_info
+from bench.readme import target_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check_header(doc: dict[str, Any], script: str) -> None:
+    m = doc["machine"]
+    for key in ("cpu_model", "cpu_count", "mem_total_bytes", "gpus", "python", "git_commit", "git_dirty",
+                "started_at", "command"):
+        assert key in m, key
+    for pkg in ("torch", "numpy", "numba", "rocksdict", "lmdb", "grpcio"):
+        assert pkg in m["packages"], pkg
+    assert script in m["command"]
 
 
 def test_bench_gpu_on_cpu_writes_positive_rates(tmp_path: Path) -> None:
@@ -20,15 +38,18 @@ def test_bench_gpu_on_cpu_writes_positive_rates(tmp_path: Path) -> None:
     assert [r["dim"] for r in doc["results"]] == [8, 16]
     for r in doc["results"]:
         assert r["rows"] == 4096 and r["hbm_capacity_rows"] >= 4096
+        assert r["ddr_pinned"] is False  # pinned only with CUDA
         for trace in ("zipf", "uniform"):
             c = r["traces"][trace]
             assert c["hbm_hit_ratio"] == 1.0  # every timed key is resident in the HBM tier
             for op in ("lookup", "update", "index_select"):
                 assert 0 < c[op]["keys_per_s_min"] <= c[op]["keys_per_s"] <= c[op]["keys_per_s_max"]
                 assert c[op]["calls"] == 3
-    assert len(doc["summary"]) == 2 and all(s["ratio"] > 0 for s in doc["summary"])
+    assert len(doc["summary"]) == 4 and all(s["ratio"] > 0 for s in doc["summary"])
     assert doc["reference"]["keys_per_s"] == 2e9
     assert (tmp_path / "gpu.md").read_text().startswith("# HBM-tier rates on cpu")
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+    _check_header(doc, "bench/bench_gpu.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto runs the full benchmark where CUDA is present")
@@ -36,3 +57,143 @@ def test_bench_gpu_auto_skips_without_cuda(tmp_path: Path, capsys: pytest.Captur
     assert bench_gpu.main(["--out", str(tmp_path)]) == 0
     assert "skipped" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_gpu_device_cuda_without_cuda_fails_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_gpu.main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot run: --device cuda" in err and "CUDA" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_gpu_names_the_cuda_device_with_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the cache compares out.device with its own device, and torch.device("cuda") != "cuda:0"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert bench_gpu.resolve_device("cuda") == torch.device("cuda:0")
+    assert bench_gpu.resolve_device("auto") == torch.device("cuda:0")
+    assert bench_gpu.resolve_device("cpu") == torch.device("cpu")
+
+
+def test_runner_passes_device_cuda_to_the_gpu_benchmark() -> None:
+    gpu = next(b for b in runner.SUITE if b.name == "gpu")
+    assert runner.command(gpu, quick=True, device="cuda") == ["bench/bench_gpu.py", "--quick", "--device", "cuda"]
+    assert runner.command(gpu, quick=False, device="cuda", out=Path("/tmp/x")) == [
+        "bench/bench_gpu.py", "--device", "cuda", "--out", "/tmp/x"]
+    cache = next(b for b in runner.SUITE if b.name == "cache")
+    assert runner.command(cache, quick=True, out=runner.RESULTS) == ["bench/bench_cache.py", "--quick"]
+
+
+def test_runner_covers_every_benchmark_script(tmp_path: Path) -> None:
+    names = {b.script for b in runner.suite()}
+    assert {p.name for p in (ROOT / "bench").glob("bench_*.py")} <= names
+    assert {"bench_mrc.py", "bench_halflife.py"} <= {b.script for b in runner.SUITE}
+    (tmp_path / "bench_newthing.py").write_text("")
+    found = [b for b in runner.suite(tmp_path) if b.script == "bench_newthing.py"]
+    assert len(found) == 1 and found[0].name == found[0].result == "newthing"
+    assert found[0].quick_args == ("--quick",)
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_report_states_each_results_commit_and_marks_stale_ones(tmp_path: Path) -> None:
+    scale = next(b for b in runner.SUITE if b.name == "scale")
+    latest = runner.latest_change(scale)["commit"]
+    assert latest is not None
+    first = _git("rev-list", "--max-parents=0", "HEAD").splitlines()[0]
+    summary = [{"case": "c", "reference": "r", "ratio": 0.9975, "target": 1.0, "met": False}]
+
+    def write(commit: str | None) -> None:
+        machine = {"git_commit": commit, "git_dirty": False, "started_at": "2026-01-02T03:04:05+00:00"}
+        (tmp_path / "scale.json").write_text(json.dumps({"machine": machine, "summary": summary}))
+
+    write(latest)
+    info, rows = runner.collect(scale, quick=False, results=tmp_path)
+    assert info["commit"] == latest and info["stale"] is False and info["measured_at"].startswith("2026-01-02")
+    assert rows[0]["measured_commit"] == latest and rows[0]["stale"] is False
+    write(first)
+    info, rows = runner.collect(scale, quick=False, results=tmp_path)
+    assert info["stale"] is True and "changed embcache/ or the script" in info["stale_reason"]
+    write(None)
+    info, _ = runner.collect(scale, quick=False, results=tmp_path)
+    assert info["stale"] is True and "no commit" in info["stale_reason"]
+    text = runner.render(None, [info], rows, quick=False, head="abcdef0")
+    assert "not run" not in text and "**stale**" in text and "2026-01-02 03:04 UTC" in text.replace(
+        "commit not recorded, ", "")
+    assert "0.998x" in text  # below 1 and not met: never shown as 1.00x
+
+
+def test_report_only_writes_where_asked_and_leaves_readme(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    (tmp_path / "index.json").write_text(json.dumps({"machine": {"git_commit": None}, "summary": []}))
+    assert runner.main(["--report-only", "--only", "index,scale", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["runs"] is None and [r["name"] for r in report["results"]] == ["scale", "index"]
+    assert (ROOT / "README.md").read_text() == readme
+
+
+def test_format_ratio_keeps_the_side_of_one_and_of_the_target() -> None:
+    assert format_ratio(0.9975, 1.0) == "0.998x"
+    assert format_ratio(1.004) == "1.004x"
+    assert format_ratio(0.8996, 0.9) == "0.8996x"
+    assert format_ratio(1.13, 1.0) == "1.13x"
+    assert format_ratio(1.0, 1.0) == "1.00x"
+    assert format_ratio(None) == "—"
+    line = target_table([{"bench": "policy", "case": "c", "reference": "r", "ratio": 0.997, "target": 1.0,
+                          "met": False, "measured_commit": "0123456789", "stale": True}])[-1]
+    assert "0.997x" in line and "**no**" in line and "`0123456` **stale**" in line
+
+
+def test_machine_info_is_the_header() -> None:
+    info = machine_info(("redis",), script=str(ROOT / "bench" / "bench_x.py"), argv=["--quick"])
+    _check_header({"machine": info}, "bench/bench_x.py --quick")
+    assert "redis" in info["packages"] and isinstance(info["git_dirty"], bool)
+
+
+def test_bench_dlrm_refuses_tables_under_4x_memory() -> None:
+    bench_dlrm.check_sizes("kaggle", 4.4, "test")
+    bench_dlrm.check_sizes("torch only", None, "test")
+    with pytest.raises(bench_dlrm.TooSmallError, match=r"only 3\.12x"):
+        bench_dlrm.check_sizes("kaggle", 3.1168, "test")
+
+
+def test_bench_policy_summary_has_every_workload_at_one_percent() -> None:
+    fracs = list(bench_policy.CAPACITY_FRACTIONS)
+    assert fracs[0] == 0.0025 and fracs[-1] == 0.16 and bench_policy.SUMMARY_FRACTION in fracs
+    res = {"hit_ratio": {p: [0.5] * len(fracs) for p in ("LRU", "LFU", "W-TinyLFU", "OPT", "embcache-lrfu")},
+           "capacity_fractions": fracs}
+    rows = bench_policy.summary_rows({"zipf-0.8": res, "bursty": res}, bench_policy.SUMMARY_FRACTION)
+    assert len(rows) == 8
+    assert [r["reference"].split()[0] for r in rows[:4]] == ["W-TinyLFU", "LRU", "LFU", "OPT"]
+    assert rows[3]["target"] is None and all(r["met"] for r in rows if r["target"] is not None)
+    args = bench_policy.parse_args([])
+    assert args.policies == ["lrfu", "lru", "lfu"] and args.workloads is None and args.capacities == fracs
+
+
+def test_bench_scale_times_full_tiers(tmp_path: Path) -> None:
+    r = bench_scale.run_size(20_000, 40_000, 8, str(tmp_path))
+    assert r["prewarm"] and min(r["full_at_timing"].values()) >= bench_scale.MIN_FULL
+    assert r["resident_at_timing"] == {"hbm": 200, "ddr": 2000}
+    assert sum(v for k, v in r["hit_ratio"].items()) == pytest.approx(1.0)
+    assert len(r["segment_seconds"]) == 2 and all(s > 0 for s in r["segment_seconds"])
+
+
+def test_bench_index_reports_medians(tmp_path: Path) -> None:
+    args = ["--capacity", "2048", "--ids", "20000", "--batch", "512", "--reps", "8", "--device", "cpu",
+            "--out", str(tmp_path)]
+    assert bench_index.main(args) == 0
+    doc = json.loads((tmp_path / "index.json").read_text())
+    _check_header(doc, "bench/bench_index.py")
+    for row in doc["results"]:
+        for key in ("find_zipf_keys_per_s", "erase_keys_per_s", "lookup_rows_per_s"):
+            assert row["worst"][key] <= row[key] <= row["best"][key]
+    assert (tmp_path / "index.md").exists() and (tmp_path / "index.png").exists()
+
+
+def test_bench_cache_runs_as_a_script() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cache.py"), "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "--out" in out.stdout and "--sweep" in out.stdout, out.stderr[-2000:]
