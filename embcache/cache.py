@@ -239,7 +239,8 @@ class EmbeddingCache:
             self._policy = make_policy(config.policy, config.admission)
             self._worker: ThreadPoolExecutor | None = None
             self._prefetches: list[PrefetchFuture] = []  # pass prefetches the next begin_pass adopts
-            self._live: set[PrefetchFuture] = set()
+            # unfinished prefetches: when each was submitted (monotonic seconds) and its tables
+            self._live: dict[PrefetchFuture, tuple[float, frozenset[str]]] = {}
             self._pass_active = False
             self._open_tables(list(tables))
         except BaseException:
@@ -976,8 +977,13 @@ class EmbeddingCache:
                 _trim_heap()
 
         with self._global_lock:
-            self._live.add(fut)
-        fut.add_done_callback(self._live.discard)
+            self._live[fut] = (time.monotonic(), frozenset(ks))
+
+        def forget(_: object) -> None:
+            with self._global_lock:
+                self._live.pop(fut, None)
+
+        fut.add_done_callback(forget)
         self._worker_pool().submit(job)
         return fut
 
@@ -1468,8 +1474,13 @@ class EmbeddingCache:
         ``lookups`` = hbm hits + ddr hits + ssd hits + ssd created (per key occurrence).
         """
         out: dict[str, dict[str, Any]] = {}
+        now = time.monotonic()
+        with self._global_lock:
+            live = list(self._live.values())
         for name in sorted(self._tables):
             t = self._tables[name]
+            # age of the oldest unfinished prefetch (queued or staging) that includes this table
+            running = max((now - t0 for t0, names in live if name in names), default=0.0)
             with t.lock:
                 s = t.stats
                 tiers: dict[str, Any] = {}
@@ -1490,7 +1501,8 @@ class EmbeddingCache:
                                       "pinned_rows": int(t.pass_pinned.numel()),
                                       "outside_keyset": s.outside_keyset,
                                       "started": s.passes, "wait_seconds": s.pass_wait_seconds},
-                             "prefetch": {"staged_rows": s.prefetch_rows, "seconds": s.prefetch_seconds},
+                             "prefetch": {"staged_rows": s.prefetch_rows, "seconds": s.prefetch_seconds,
+                                          "running_seconds": running},
                              "mrc": ({"sample_rate": t.mrc.rate, **t.mrc.hit_ratios()} if t.mrc is not None
                                      else None)}
         return out

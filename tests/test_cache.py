@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -519,3 +520,34 @@ def test_exit_without_close_writes_back_and_exits_cleanly(tmp_path: Any, store: 
     assert proc.returncode == 0, proc.stderr
     with EmbeddingCache(CacheConfig(hbm_bytes=0, ddr_bytes=0, path=str(path), store=store, device="cpu")) as cache:
         torch.testing.assert_close(cache.lookup("t", torch.arange(50)), torch.full((50, 8), -1.0))
+
+
+def test_stats_report_the_age_of_an_unfinished_prefetch(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A prefetch blocked in its store read (a gate around the real RocksDB read) is reported by
+    # its age, for the table it stages and not for the other; once it finishes, 0 again.
+    tables = [TableConfig(name="a", dim=4), TableConfig(name="b", dim=4)]
+    cache = EmbeddingCache(CacheConfig(hbm_bytes=1 << 16, ddr_bytes=1 << 16, path=str(tmp_path / "s"), device="cpu"),
+                           tables)
+    cache.assign("a", torch.arange(100), torch.ones(100, 4))
+    cache.flush()
+    cache.close()
+    cache = EmbeddingCache(CacheConfig(hbm_bytes=1 << 16, ddr_bytes=1 << 16, path=str(tmp_path / "s"), device="cpu"))
+    store = cache._store
+    assert store is not None
+    real, gate = store.get_many, threading.Event()
+
+    def gated(table: str, keys: Any) -> Any:
+        gate.wait(30)
+        return real(table, keys)
+
+    monkeypatch.setattr(store, "get_many", gated)
+    assert cache.stats()["a"]["prefetch"]["running_seconds"] == 0.0
+    fut = cache.prefetch({"a": torch.arange(100)})
+    time.sleep(0.3)
+    stats = cache.stats()
+    assert stats["a"]["prefetch"]["running_seconds"] >= 0.25
+    assert stats["b"]["prefetch"]["running_seconds"] == 0.0
+    gate.set()
+    fut.result(timeout=30)
+    assert cache.stats()["a"]["prefetch"]["running_seconds"] == 0.0
+    cache.close()
