@@ -720,10 +720,8 @@ class EmbeddingCache:
         hv_rows = t.hbm.read(victims_h).to(torch.device("cpu"))
         cands = RowBatch.cat([hv_rows, rest])
         c_scores = t.policy.score(cands.freq, cands.last, now)
-        exclude = None
-        if promote_slots.numel():
-            exclude = torch.zeros(t.ddr.capacity, dtype=torch.bool)
-            exclude[promote_slots] = True
+        # rows leaving DDR for HBM make room but are not victims (slots, not a capacity-sized mask)
+        exclude = promote_slots if promote_slots.numel() else None
         admitted_d, victims_d = self._admit(t, t.ddr, c_scores, promote_slots.numel(), exclude)
         cand_in = torch.zeros(len(cands), dtype=torch.bool)
         cand_in[admitted_d] = True

@@ -233,10 +233,15 @@ class CacheConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        """The device of the hot tier."""
-        if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        """The device of the hot tier, with its index for CUDA ("cuda" -> "cuda:<current>").
+
+        Tensors made on ``"cuda"`` report ``cuda:0``, and ``torch.device("cuda") != "cuda:0"``: the
+        index makes the cache's device compare equal to the devices of the tensors it returns.
+        """
+        dev = torch.device(self.device if self.device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
 
     def resolved_hbm_bytes(self) -> int:
         """HBM bytes after applying the default."""

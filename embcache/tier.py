@@ -266,26 +266,39 @@ class MemoryTier:
         Args:
             k: victims wanted.
             scores_of: ``fn(slots) -> float64 scores`` (the policy's score of those rows).
-            sample: consider ``sample * k`` random resident rows (all of them when that is at
-                least half the tier): sampled eviction keeps the cost per batch O(k), not O(capacity).
-            exclude: bool [capacity] of slots that must stay (e.g. rows in use by this batch).
+            sample: consider ``sample * k`` random slots (all rows when that is at least half the
+                tier): sampled eviction keeps the cost per batch O(k), not O(capacity). Only the
+                sampled slots are tested for being occupied, unpinned and not excluded; a
+                capacity-sized mask cost 7 ms per batch at 1M rows (10-80 ms at 10M).
+            exclude: slots that must stay (e.g. rows in use by this batch): int64 slots, or a
+                bool mask [capacity].
             generator: random source for sampling (seeded per table for repeatability).
 
         Returns:
             (slots int64 [m], scores float64 [m]) with m <= k, lowest score first.
         """
-        evictable = self.occupied & (self.pins == 0)
+        empty = torch.empty(0, device=self.device)
+        if k <= 0 or self.capacity == 0:
+            return empty.to(torch.int64), empty.to(torch.float64)
         if exclude is not None:
-            evictable &= ~exclude
+            exclude = exclude.to(self.device)
         n_cand = sample * k
         cand = None
         if n_cand * 2 < self.capacity:
             cand = torch.randint(0, self.capacity, (n_cand,), device=self.device, generator=generator)
-            cand = torch.unique(cand[evictable[cand]])
+            ok = self.occupied[cand] & (self.pins[cand] == 0)
+            if exclude is not None:
+                ok &= ~(exclude[cand] if exclude.dtype == torch.bool else torch.isin(cand, exclude))
+            cand = torch.unique(cand[ok])
         if cand is None or cand.numel() < k:  # small tier, or a mostly pinned one the sample missed
+            evictable = self.occupied & (self.pins == 0)
+            if exclude is not None:
+                if exclude.dtype == torch.bool:
+                    evictable &= ~exclude
+                else:
+                    evictable[exclude] = False
             cand = torch.nonzero(evictable).flatten()
-        if cand.numel() == 0 or k == 0:
-            empty = torch.empty(0, device=self.device)
+        if cand.numel() == 0:
             return empty.to(torch.int64), empty.to(torch.float64)
         scores = scores_of(cand)
         k = min(k, cand.numel())
