@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
@@ -84,13 +84,26 @@ class LookAhead(Generic[T]):
             read the store twice); by default a batch whose staging is late goes ahead and its
             lookups read what is missing themselves.
 
-    A batch's lease is released when the next batch is requested (the loop has looked it up and
-    applied its gradients), when the loop stops early, or when the iterator is closed; leases of
-    batches never reached are cancelled. Nothing stays pinned after the loop.
+    While the loop works on a batch, that batch's lease and the leases of the next ``depth``
+    batches are held (at most ``depth + 1`` batches pinned). A batch's lease is released when
+    the next batch is requested (the loop has looked it up and applied its gradients, or skipped
+    it), when the loop stops early, or when the iterator is closed; leases of batches never
+    reached are cancelled. Nothing stays pinned after the loop.
+
+    Staging errors are never dropped while the loop runs. With ``wait=True``, or when a batch's
+    staging has already ended when the batch comes up, its error is raised instead of yielding
+    that batch. With ``wait=False`` a batch may be yielded while its staging still runs; once
+    that staging ends, its error is raised when the loop asks for a following batch: at the
+    first request after the staging failed (the lease is released first, and the next batch is
+    not yielded), and at the latest when the batches run out, where the iterator waits for the
+    staging jobs it released before it stops. A training loop thus learns of a failing store at a
+    batch boundary, after the batch it was working on is done (that batch's lookups read what
+    was missing themselves). Errors of staging that ends after the loop was left early (a
+    ``break``, an exception, ``close()``) are not raised: the loop is over.
 
     Raises:
         ValueError: ``depth`` < 1.
-        The staging error of a batch, when that batch is reached.
+        The staging error of a batch (a ``StoreError``, say), as described above.
     """
 
     def __init__(self, cache: EmbeddingCache, batches: Iterable[T],
@@ -106,6 +119,8 @@ class LookAhead(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         source = iter(self._batches)
         window: deque[tuple[T, PrefetchFuture]] = deque()
+        # released leases whose staging had not ended when their batch was yielded (wait=False)
+        unchecked: list[PrefetchFuture] = []
 
         def fill() -> None:
             while len(window) < self._depth:
@@ -121,12 +136,30 @@ class LookAhead(Generic[T]):
                 batch, lease = window.popleft()
                 try:
                     fill()
-                    if self._wait or lease.done():
+                    checked = self._wait or lease.done()
+                    if checked:
                         lease.result()  # raises the staging error, if any
-
                     yield batch
                 finally:
                     lease.release()
+                if not checked:
+                    unchecked.append(lease)
+                _raise_staging_error(unchecked, block=False)
+            _raise_staging_error(unchecked, block=True)
         finally:
             for _, lease in window:
                 lease.cancel()
+
+
+def _raise_staging_error(leases: list[PrefetchFuture], block: bool) -> None:
+    """Drop the leases whose staging has ended (with ``block``, after waiting for all) and raise
+    the first error among them; cancelled ones (the cache was closed) raise nothing."""
+    if block and leases:
+        wait(leases)
+    done = [lease.done() for lease in leases]  # once: a lease may end between two looks
+    ended = [lease for lease, d in zip(leases, done, strict=True) if d]
+    leases[:] = [lease for lease, d in zip(leases, done, strict=True) if not d]
+    for lease in ended:
+        error = None if lease.cancelled() else lease.exception()
+        if error is not None:
+            raise error

@@ -13,6 +13,7 @@ import copy
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import hypothesis.strategies as st
@@ -32,6 +33,7 @@ from embcache import (
     UnknownTableError,
 )
 from embcache.init import init_rows
+from embcache.keyset import keysets_from_batches
 from embcache.nn import CachedEmbedding, CachedEmbeddingBag, CachedEmbeddingBagCollection, CacheLike
 
 from .conftest import row_bytes
@@ -313,23 +315,44 @@ def embedding_optimizer(name: str, weight: torch.Tensor, lr: float) -> Any:
     return RowwiseAdagrad(weight, lr, 1e-10)
 
 
-def training_batches(steps: int, n_keys: int, unique: bool, seed: int = 0) -> Iterator[tuple[torch.Tensor, ...]]:
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def training_batches(steps: int, n_keys: int, unique: bool, seed: int = 0, bags: int = 16) -> Iterator[Batch]:
     """Bags of 0-6 keys; skewed keys (duplicates in and across bags) or no key twice in a batch."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        lengths = torch.randint(0, 7, (16,), generator=gen)
+        lengths = torch.randint(0, 7, (bags,), generator=gen)
         n = int(lengths.sum())
         if unique:
             keys = torch.randperm(n_keys, generator=gen)[:n]
         else:
             keys = (torch.rand(n, generator=gen) ** 3 * n_keys).long()  # power-law-ish popularity
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
-        yield keys, offsets, torch.randn(16, generator=gen)
+        yield keys, offsets, torch.randn(bags, generator=gen)
 
 
-def train_both(cache: EmbeddingCache, optimizer: str, lr: float, unique: bool, steps: int = 30,
-               n_keys: int = 300) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Train torch's model and the cached one on the same data: (torch losses, cached losses, torch rows)."""
+@dataclass
+class Trained:
+    """What :func:`train_both` observed: per-step losses of both models, torch's final rows, pass facts."""
+
+    ref_losses: list[torch.Tensor]
+    losses: list[torch.Tensor]
+    ref_rows: torch.Tensor
+    keyset_rows: list[int] = field(default_factory=list)  # unique keys of each pass
+    staged_rows: int = 0  # rows the background prefetches read from the store into memory
+    pinned_rows: list[int] = field(default_factory=list)  # rows begin_pass pinned, per pass
+
+
+def train_both(cache: EmbeddingCache, optimizer: str, lr: float, passes: list[list[Batch]],
+               n_keys: int = 300, protocol: bool = False) -> Trained:
+    """Train torch's model and the cached one on the same data, step by step.
+
+    With ``protocol`` the cached model runs the pass protocol: each pass's keyset is computed
+    with ``embcache.keyset.keysets_from_batches``, the next pass is prefetched in the background
+    while the current one trains, and ``begin_pass`` / ``end_pass`` frame every pass (the
+    write-backs of ``end_pass`` overlap the next pass too). torch trains the same steps in order.
+    """
     torch.manual_seed(0)
     head_ref = nn.Linear(DIM, 1)
     head = copy.deepcopy(head_ref)
@@ -337,56 +360,134 @@ def train_both(cache: EmbeddingCache, optimizer: str, lr: float, unique: bool, s
     bag = CachedEmbeddingBag(cache, "t", mode="sum")
     emb_opt = embedding_optimizer(optimizer, ref.weight, lr)
     dense_ref, dense = torch.optim.SGD(head_ref.parameters(), lr=0.05), torch.optim.SGD(head.parameters(), lr=0.05)
-    ref_losses, losses = [], []
-    for keys, offsets, y in training_batches(steps, n_keys, unique):
-        loss_ref = ((head_ref(ref(keys, offsets)).squeeze(1) - y) ** 2).mean()
-        ref.weight.grad = None
-        dense_ref.zero_grad()
-        loss_ref.backward()
-        emb_opt.step()
-        dense_ref.step()
-        loss = ((head(bag(keys, offsets)).squeeze(1) - y) ** 2).mean()
-        dense.zero_grad()
-        loss.backward()  # the embedding rows are updated here, inside the cache
-        dense.step()
-        ref_losses.append(loss_ref.detach())
-        losses.append(loss.detach())
-    return ref_losses, losses, ref.weight.detach()
+    out = Trained([], [], ref.weight)
+    keysets = [keysets_from_batches(batches, lambda b: {"t": b[0]}, progress=False) for batches in passes]
+    out.keyset_rows = [len(ks["t"]) for ks in keysets]
+    prefetches = [cache.prefetch(keysets[0])] if protocol else []
+    write_backs = []
+    for p, batches in enumerate(passes):
+        if protocol:
+            out.pinned_rows.append(cache.begin_pass(keysets[p])["t"]["pinned_rows"])  # adopts the prefetch
+            if p + 1 < len(passes):
+                prefetches.append(cache.prefetch(keysets[p + 1]))  # stages while this pass trains
+        for keys, offsets, y in batches:
+            loss_ref = ((head_ref(ref(keys, offsets)).squeeze(1) - y) ** 2).mean()
+            ref.weight.grad = None
+            dense_ref.zero_grad()
+            loss_ref.backward()
+            emb_opt.step()
+            dense_ref.step()
+            loss = ((head(bag(keys, offsets)).squeeze(1) - y) ** 2).mean()
+            dense.zero_grad()
+            loss.backward()  # the embedding rows are updated here, inside the cache
+            dense.step()
+            out.ref_losses.append(loss_ref.detach())
+            out.losses.append(loss.detach())
+        if protocol:
+            write_backs.append(cache.end_pass())
+    for f in write_backs:
+        f.result(timeout=60)  # a failed background write-back fails the test
+    out.staged_rows = sum(int(f.result(timeout=60)["t"]["staged_rows"]) for f in prefetches)
+    out.ref_rows = ref.weight.detach()
+    return out
 
 
-def assert_rows_went_to_disk_and_back(cache: EmbeddingCache) -> None:
+HBM_ROWS, DDR_ROWS = 4, 12  # 16 rows in memory per table
+# (steps, bags per step) of each pass in the pass-protocol runs: passes of 2-3 bags per step have
+# keysets of 7-18 rows, most of which fit in HBM+DDR; passes of 12-16 bags keysets of 65-168 rows
+# (begin_pass pins the hottest 16, the others are served through the store and evicted again)
+PASS_PLAN = [(2, 2), (3, 16), (1, 3), (2, 2), (4, 16), (2, 3), (3, 12), (2, 2)]
+
+
+def training_data(passes: bool, unique: bool, n_keys: int = 300) -> list[list[Batch]]:
+    """The batches of each pass: PASS_PLAN's passes, or one pass of 30 steps of 16 bags."""
+    if not passes:
+        return [list(training_batches(30, n_keys, unique))]
+    return [list(training_batches(steps, n_keys, unique, seed=100 + p, bags=bags))
+            for p, (steps, bags) in enumerate(PASS_PLAN)]
+
+
+def touched_keys(data: list[list[Batch]], n_keys: int = 300) -> torch.Tensor:
+    """Bool [n_keys]: the keys some batch looked up (and so trained)."""
+    touched = torch.zeros(n_keys, dtype=torch.bool)
+    for batches in data:
+        for keys, _, _ in batches:
+            touched[keys] = True
+    return touched
+
+
+def assert_rows_went_to_disk_and_back(cache: EmbeddingCache, run: Trained, protocol: bool) -> None:
     """Training moved rows through every tier (and changed them: the comparison was not vacuous)."""
     cfg = cache.tables()["t"]
     initial = init_rows(cfg.initializer, float(cfg.init_scale or 0), cfg.seed, torch.arange(300), DIM)
     assert (rows_of(cache, n=300) - initial).abs().max() > 1e-3
     s = cache.stats()["t"]
-    assert s["hbm"]["capacity_rows"] == 4 and s["ddr"]["capacity_rows"] == 8
+    assert s["hbm"]["capacity_rows"] == HBM_ROWS and s["ddr"]["capacity_rows"] == DDR_ROWS
     assert s["ssd"]["write_rows"] > 100 and s["ssd"]["hits"] > 100  # evicted dirty rows, read back later
+    if protocol:
+        memory = HBM_ROWS + DDR_ROWS
+        assert s["pass"]["started"] == len(PASS_PLAN) and not s["pass"]["active"]
+        assert min(run.keyset_rows) <= memory < max(run.keyset_rows)  # passes that fit, and passes that do not
+        # every pass pinned all of its keyset that memory holds: nothing stayed pinned from the pass before
+        assert run.pinned_rows == [min(k, memory) for k in run.keyset_rows]
+        assert run.staged_rows > 0  # the background prefetches did read rows from the store
+        assert s["hbm"]["pinned_rows"] + s["ddr"]["pinned_rows"] == 0
 
 
+CASES = ["one_pass", "passes_with_prefetch"]
+
+
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
-def test_training_through_the_cache_equals_torch(make_cache: Any, optimizer: str) -> None:
-    """Skewed keys, duplicates in every batch; ~200 rows touched with 12 in memory."""
+def test_training_through_the_cache_equals_torch(make_cache: Any, optimizer: str, case: str) -> None:
+    """Skewed keys, duplicates in every batch; ~200 rows touched with 16 in memory.
+
+    ``passes_with_prefetch``: the cached model trains in passes (keysets from
+    ``embcache.keyset``, the next pass prefetched during the current one, begin_pass / end_pass);
+    the loss must still equal torch's at every step.
+    """
+    protocol = case == "passes_with_prefetch"
     cfg = TableConfig(name="t", dim=DIM, optimizer=optimizer, lr=0.05, seed=5)
-    cache = make_cache(hbm_rows=4, ddr_rows=8, tables=[cfg])
-    ref_losses, losses, ref_rows = train_both(cache, optimizer, 0.05, unique=False)
+    cache = make_cache(hbm_rows=HBM_ROWS, ddr_rows=DDR_ROWS, tables=[cfg])
+    data = training_data(protocol, unique=False)
+    run = train_both(cache, optimizer, 0.05, data, protocol=protocol)
     # SGD: torch adds each duplicate's -lr*g_i to the row one after the other (its sparse gradient
     # is not coalesced); the cache sums duplicates first and adds -lr*sum once: last-bit
     # differences, hence 1e-6 relative. (Adagrad and row-wise AdaGrad coalesce first, like the cache.)
     tol = 1e-6 if optimizer == "sgd" else 1e-5
-    for step, (a, b) in enumerate(zip(ref_losses, losses, strict=True)):
+    assert len(run.losses) == sum(len(b) for b in data)
+    for step, (a, b) in enumerate(zip(run.ref_losses, run.losses, strict=True)):
         assert abs(float(a) - float(b)) <= tol * abs(float(a)), f"step {step}: torch {float(a)} cached {float(b)}"
-    torch.testing.assert_close(rows_of(cache, n=300), ref_rows, rtol=tol, atol=tol)
-    assert_rows_went_to_disk_and_back(cache)
+    touched = touched_keys(data)
+    rows = rows_of(cache, n=300)
+    torch.testing.assert_close(rows[touched], run.ref_rows[touched], rtol=tol, atol=tol)
+    assert torch.equal(rows[~touched], run.ref_rows[~touched])  # never trained: still the initial rows
+    assert_rows_went_to_disk_and_back(cache, run, protocol)
 
 
-def test_sgd_training_is_bitwise_equal_without_duplicate_keys(make_cache: Any) -> None:
-    """With no key twice in a batch the arithmetic is torch's, operation for operation."""
-    cache = make_cache(hbm_rows=4, ddr_rows=8, tables=[TableConfig(name="t", dim=DIM, lr=0.05, seed=5)])
-    ref_losses, losses, ref_rows = train_both(cache, "sgd", 0.05, unique=True)
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
-    assert torch.equal(rows_of(cache, n=300), ref_rows)
-    assert_rows_went_to_disk_and_back(cache)
+@pytest.mark.parametrize("case", CASES)
+def test_sgd_training_is_bitwise_equal_without_duplicate_keys(make_cache: Any, case: str) -> None:
+    """With no key twice in a batch the arithmetic is torch's, operation for operation.
+
+    Duplicates are where the two differ: torch's sparse SGD adds each occurrence's -lr*g_i to
+    the row one after the other (``index_add_`` of the uncoalesced gradient), while the cache
+    sums a key's gradients first and subtracts lr*sum once; float addition is not associative,
+    so with duplicates the rows (and then the losses) differ in the last bits. Without
+    duplicates both compute w - lr*g for each row, and the pass protocol (prefetch, pins,
+    write-back while training) must not change a bit of it.
+    """
+    protocol = case == "passes_with_prefetch"
+    cache = make_cache(hbm_rows=HBM_ROWS, ddr_rows=DDR_ROWS, tables=[TableConfig(name="t", dim=DIM, lr=0.05, seed=5)])
+    data = training_data(protocol, unique=True)
+    assert all(k.unique().numel() == k.numel() for batches in data for k, _, _ in batches)
+    run = train_both(cache, "sgd", 0.05, data, protocol=protocol)
+    for step, (a, b) in enumerate(zip(run.ref_losses, run.losses, strict=True)):
+        assert torch.equal(a, b), f"step {step}: torch {float(a)!r} cached {float(b)!r}"
+    touched = touched_keys(data)
+    rows = rows_of(cache, n=300)
+    assert torch.equal(rows[touched], run.ref_rows[touched])
+    assert torch.equal(rows, run.ref_rows)
+    assert_rows_went_to_disk_and_back(cache, run, protocol)
 
 
 # ---------------------------------------------------------------------- collection

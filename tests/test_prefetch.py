@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, wait
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ import embcache.cache as cache_mod
 from embcache import CacheConfig, EmbeddingCache, TableConfig
 from embcache.errors import PassStateError, StoreError, UnknownTableError
 from embcache.keyset import Keyset
-from embcache.prefetch import LookAhead
+from embcache.prefetch import LookAhead, PrefetchFuture
 
 from .conftest import row_bytes
 
@@ -246,32 +246,231 @@ def test_end_pass_writes_dirty_rows_back_in_the_background(make_cache: Any) -> N
     assert found.all()
 
 
-def test_batch_leases_are_released(make_cache: Any, ref_cache: EmbeddingCache) -> None:
-    c = make_cache(hbm_rows=8, ddr_rows=64)  # room for depth + 1 leased batches of 16 keys
-    batches = [torch.randint(0, 500, (16,), generator=torch.Generator().manual_seed(i)) for i in range(12)]
+def pins_and_total(c: EmbeddingCache, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Pin count (int32 [n]) of each key's row (0 if not resident) and the table's pinned rows, at one instant."""
+    t = c._tables["t"]
+    with t.lock:  # the worker pins under this lock: both figures are of the same moment
+        out = torch.zeros(keys.numel(), dtype=torch.int32)
+        for tier in (t.hbm, t.ddr):
+            slots = tier.find(keys).cpu()
+            out[slots >= 0] += tier.pins[slots[slots >= 0]].cpu()
+        return out, t.hbm.pinned_count() + t.ddr.pinned_count()
+
+
+def pins_of(c: EmbeddingCache, keys: torch.Tensor) -> torch.Tensor:
+    """Pin count (int32 [n]) of each key's row: how many holders keep it in memory (0 if not resident)."""
+    return pins_and_total(c, keys)[0]
+
+
+def disjoint_batches(n: int, size: int = 16, seed: int = 0) -> list[torch.Tensor]:
+    """``n`` batches of ``size`` keys, no key in two batches: a row's pins tell whose lease holds it."""
+    perm = torch.randperm(n * size, generator=torch.Generator().manual_seed(seed))
+    return [perm[i * size:(i + 1) * size] for i in range(n)]
+
+
+def record_leases(monkeypatch: pytest.MonkeyPatch, c: EmbeddingCache) -> list[PrefetchFuture]:
+    """Keep every lease ``c.prefetch_batch`` hands out (to LookAhead), in order."""
+    leases: list[PrefetchFuture] = []
+    original = c.prefetch_batch
+
+    def recording(keysets: Any) -> PrefetchFuture:
+        leases.append(original(keysets))
+        return leases[-1]
+
+    monkeypatch.setattr(c, "prefetch_batch", recording)
+    return leases
+
+
+def keys_of(b: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"t": b}
+
+
+def test_batch_leases_are_held_while_their_batch_is_used_and_released_after(
+        make_cache: Any, ref_cache: EmbeddingCache) -> None:
+    depth = 3
+    c = make_cache(hbm_rows=8, ddr_rows=64)  # 72 rows: room for the depth + 1 leased batches of 16 keys
+    batches = disjoint_batches(12)
+    ones = torch.ones(16, dtype=torch.int32)
     seen = 0
-    for i, b in enumerate(LookAhead(c, batches, lambda b: {"t": b}, depth=3, wait=True)):
-        assert pinned(c) >= b.unique().numel()  # this batch (and the next ones) are leased
+    for i, b in enumerate(LookAhead(c, batches, keys_of, depth=depth, wait=True)):
+        assert torch.equal(b, batches[i])
+        # staged (wait=True) and held by exactly this batch's lease while the loop works on it
+        assert torch.equal(pins_of(c, b), ones)
+        # the leases of the batches before it were released once the next batch was yielded
+        for j in range(i):
+            assert not pins_of(c, batches[j]).any(), f"batch {j}'s lease leaked into batch {i}"
+        # the only pins are those of this batch and the next `depth` ones (staged or staging)
+        pins, total = pins_and_total(c, torch.cat(batches))
+        held = pins.view(len(batches), 16) > 0
+        assert not held[i + depth + 1:].any()  # batches beyond the window are not leased yet
+        assert total == int(held.sum()) <= (depth + 1) * 16
         train([c, ref_cache], b, i)
+        # traffic outside the window evicts every unpinned row; this batch's rows stay, pinned
+        other = torch.arange(1000 + 100 * i, 1100 + 100 * i)
+        c.lookup("t", other)
+        ref_cache.lookup("t", other)
+        assert torch.equal(pins_of(c, b), ones)
         seen += 1
     assert seen == 12
-    c._stop_worker()
-    assert pinned(c) == 0
-    # a loop that stops early, and a skipped batch, leak nothing either
-    for i, b in enumerate(LookAhead(c, batches, lambda b: {"t": b}, depth=4)):
-        if i == 1:
-            continue
-        if i == 5:
-            break
-        train([c, ref_cache], b, 100 + i)
-    c._stop_worker()
     assert pinned(c) == 0
     lease = c.prefetch_batch({"t": batches[0]})
     lease.result(timeout=30)
-    assert pinned(c) > 0
+    assert torch.equal(pins_of(c, batches[0]), ones)
     lease.release()
     assert pinned(c) == 0
-    assert_same_rows(c, ref_cache, torch.arange(500))
+    assert_same_rows(c, ref_cache, torch.arange(2300))
+
+
+def test_skipped_batches_and_early_exits_leave_nothing_pinned(make_cache: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    c = make_cache(hbm_rows=8, ddr_rows=64)
+    batches = disjoint_batches(10)
+    leases = record_leases(monkeypatch, c)
+    for i, b in enumerate(LookAhead(c, batches, keys_of, depth=2, wait=True)):
+        if i == 1:
+            assert pins_of(c, b).all()
+            continue  # skipped: never looked up
+        if i == 2:
+            assert not pins_of(c, batches[1]).any()  # the skipped batch's lease was released all the same
+        if i == 4:
+            wait(leases[4:7], timeout=30)  # batch 4 and the two staged ahead hold their rows now
+            assert all(pins_of(c, batches[j]).all() for j in (4, 5, 6)) and pinned(c) == 48
+            break
+        c.lookup("t", b)
+    # the break released batch 4's lease and cancelled the two ahead, at once
+    assert pinned(c) == 0
+    assert all(lease.done() for lease in leases) and len(leases) == 7  # batches 7.. were never leased
+    # an exception in the loop's body, and an iterator closed by hand, leak nothing either
+    with pytest.raises(RuntimeError, match="boom"):
+        for i, _ in enumerate(LookAhead(c, batches, keys_of, depth=2, wait=True)):
+            if i == 3:
+                assert pinned(c) > 0
+                raise RuntimeError("boom")
+    assert pinned(c) == 0
+    it = iter(LookAhead(c, batches, keys_of, depth=3, wait=True))
+    next(it)
+    next(it)
+    assert pinned(c) >= 16
+    it.close()  # type: ignore[attr-defined]
+    assert pinned(c) == 0
+
+
+class FailingStagingRead:
+    """The prefetch worker's first store read of some of ``keys`` waits for ``go()``, then fails.
+
+    The cache's own lookups (on the caller's thread) read the store normally.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, c: EmbeddingCache, keys: torch.Tensor) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        store = c._store
+        assert store is not None
+        original = store.get_many
+        armed = {"on": True}
+        target = keys.numpy()
+
+        def flaky(table: str, ks: np.ndarray) -> Any:
+            if (armed["on"] and threading.current_thread().name.startswith("embcache-prefetch")
+                    and np.isin(ks, target).any()):
+                armed["on"] = False
+                self.entered.set()
+                self.gate.wait(30)
+                raise StoreError("simulated read failure")
+            return original(table, ks)
+
+        monkeypatch.setattr(store, "get_many", flaky)
+
+    def wait_entered(self) -> None:
+        """Until the worker is inside the read (its lease can no longer stop before it)."""
+        assert self.entered.wait(30)
+
+    def go(self) -> None:
+        self.gate.set()
+
+
+@pytest.fixture
+def failing_read(monkeypatch: pytest.MonkeyPatch, make_cache: Any) -> Iterator[Callable[..., FailingStagingRead]]:
+    """Factory of FailingStagingRead; opens every gate at teardown, before the caches close."""
+    made: list[FailingStagingRead] = []
+
+    def factory(c: EmbeddingCache, keys: torch.Tensor) -> FailingStagingRead:
+        made.append(FailingStagingRead(monkeypatch, c, keys))
+        return made[-1]
+
+    yield factory
+    for f in made:
+        f.go()
+
+
+def stored_cache(make_cache: Any, tmp_path: Any) -> EmbeddingCache:
+    """A cache whose rows 0..199 are in the store and none in memory (closed and reopened)."""
+    path = str(tmp_path / "stored")
+    c = make_cache(hbm_rows=8, ddr_rows=64, path=path)
+    c.apply_gradients("t", torch.arange(200), torch.ones(200, DIM))
+    c.close()
+    return make_cache(hbm_rows=8, ddr_rows=64, path=path)
+
+
+def test_lookahead_without_wait_raises_a_late_staging_error_at_the_next_batch(
+        make_cache: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        failing_read: Callable[..., FailingStagingRead]) -> None:
+    c = stored_cache(make_cache, tmp_path)
+    batches = disjoint_batches(6)
+    failing = failing_read(c, batches[0])
+    leases = record_leases(monkeypatch, c)
+    it = iter(LookAhead(c, batches, keys_of, depth=2))
+    b0 = next(it)
+    failing.wait_entered()
+    assert torch.equal(b0, batches[0]) and not leases[0].done()  # yielded while its staging runs
+    failing.go()
+    wait(leases[:1], timeout=30)
+    assert isinstance(leases[0].exception(), StoreError)  # the staging failed after the yield
+    c.apply_gradients("t", b0, torch.ones(16, DIM))  # the batch itself trains: its reads are its own
+    with pytest.raises(StoreError, match="simulated"):
+        next(it)  # the loop asks for batch 1: the error comes instead
+    assert pinned(c) == 0 and all(lease.done() for lease in leases)
+    with pytest.raises(StopIteration):
+        next(it)  # the loop is over
+
+
+def test_lookahead_without_wait_raises_an_error_of_staging_released_while_running(
+        make_cache: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        failing_read: Callable[..., FailingStagingRead]) -> None:
+    c = stored_cache(make_cache, tmp_path)
+    batches = disjoint_batches(4)
+    failing = failing_read(c, batches[0])
+    leases = record_leases(monkeypatch, c)
+    it = iter(LookAhead(c, batches, keys_of, depth=1))
+    next(it)
+    failing.wait_entered()
+    assert torch.equal(next(it), batches[1])  # batch 0's lease released while its staging still runs
+    assert not leases[0].done()
+    failing.go()
+    wait(leases[:1], timeout=30)
+    with pytest.raises(StoreError, match="simulated"):
+        next(it)  # raised at the first request after the staging failed
+    assert pinned(c) == 0
+
+
+def test_lookahead_without_wait_raises_a_pending_staging_error_when_batches_run_out(
+        make_cache: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        failing_read: Callable[..., FailingStagingRead]) -> None:
+    c = stored_cache(make_cache, tmp_path)
+    batches = disjoint_batches(2)
+    failing = failing_read(c, batches[0])
+    leases = record_leases(monkeypatch, c)
+    seen = []
+    with pytest.raises(StoreError, match="simulated"):
+        for b in LookAhead(c, batches, keys_of, depth=1):
+            seen.append(b)
+            if len(seen) == 1:
+                failing.wait_entered()
+            if len(seen) == 2:
+                assert not leases[0].done()
+                failing.go()  # fails while the loop finishes: the iterator waits for it at the end
+    assert len(seen) == 2
+    assert pinned(c) == 0
 
 
 def test_close_during_prefetch_does_not_hang_or_lose_updates(make_cache: Any, tmp_path: Any,
