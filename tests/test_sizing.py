@@ -118,7 +118,7 @@ def test_command_line_writes_tables_plot_and_json(tmp_path: Any) -> None:
         cwd=_ROOT, capture_output=True, text=True, timeout=300, check=True)
     assert "| embcache (lrfu) |" in out.stdout and "HBM bytes" in out.stdout
     report = json.loads((tmp_path / "s.json").read_text())
-    assert report["row_bytes"] == 16 * 4 + 16 * 4 + 42 + 64  # weights, AdaGrad state, bookkeeping, index
+    assert report["row_bytes"] == 16 * 4 + 16 * 4 + 46 + 64  # weights, AdaGrad state, bookkeeping, index
     assert report["record_bytes"] == 16 * 4 + 16 * 4  # weights and AdaGrad state in the store
     assert report["store_bytes"] == report["distinct_keys"] * (128 + 8)
     assert "Store (SSD tier)" in out.stdout
