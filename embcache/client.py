@@ -15,11 +15,16 @@ request (atomic per table and shard).
 Deadlines: every call has one (``timeout``, or ``long_timeout`` for passes, flush and
 checkpoint); by default a call waits for a shard that is down or restarting until its deadline
 (``wait_for_ready``), which never sends a request twice. Retries: a call that fails with
-UNAVAILABLE after it was sent is retried with exponential backoff only when it is idempotent:
-``lookup`` (idempotent for the values it returns, though the retried attempt counts its accesses
-again in the server's statistics and placement), ``tables``, ``create_table``, ``flush``,
-``stats``. Writes (``apply_gradients``, ``assign``) and pass calls are never resent, unless the
-server said it refused them before they had any effect (a server shutting down).
+UNAVAILABLE (or CANCELLED by a server stopping as it arrived) is retried with exponential backoff,
+within its deadline, only when it is idempotent: ``lookup`` (idempotent for the values it returns,
+though the retried attempt counts its accesses again in the server's statistics and placement),
+``tables``, ``create_table``, ``flush``, ``stats``. Writes (``apply_gradients``, ``assign``),
+checkpoints and pass calls are never resent, unless the server said it refused them before they
+had any effect (UNAVAILABLE with ``embcache-not-applied: 1``: a server draining at shutdown).
+Only the failed shards' calls are resent; each resend is logged (logger ``embcache.client``, INFO).
+
+Shards from DNS (``"dns:///name:port"``) are resolved when the client is made; ``expected_shards``
+makes it wait until the name gives that many, and :meth:`Client.refresh_shards` resolves again.
 
 Errors: the server's typed errors come back as the same :mod:`embcache.errors` types; failures
 without one are :class:`~embcache.rpc.errors.RemoteError` subclasses (UnavailableError,
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import socket
@@ -82,6 +88,8 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
 ]
+
+log = logging.getLogger("embcache.client")
 
 _MESSAGE_MARGIN = 1 << 16  # bytes kept free in each message for framing and table names
 _U64 = np.uint64
@@ -190,6 +198,14 @@ def _raw_calls(channel: grpc.Channel) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class _Topology:
+    """The shards and the ring that maps keys onto them; replaced as a whole by :meth:`Client.refresh_shards`."""
+
+    shards: list[_Shard]
+    ring: HashRing
+
+
 @dataclass
 class _Part:
     """One table's slice in one request: keys[start:end] of the shard's positions."""
@@ -268,7 +284,12 @@ def _weighted(items: list[tuple[float, Any]]) -> Any:
     return first
 
 
-def resolve_shards(target: str) -> dict[str, str]:
+#: A name resolver with getaddrinfo's shape:
+#: ``resolver(host, port, type=socket.SOCK_STREAM)`` -> ``[(family, type, proto, canonname, sockaddr), ...]``.
+Resolver = Callable[..., Sequence[tuple[Any, ...]]]
+
+
+def resolve_shards(target: str, resolver: Resolver = socket.getaddrinfo) -> dict[str, str]:
     """The shards behind a DNS name, e.g. a Kubernetes headless Service: ``{shard name: "host:port"}``.
 
     Args:
@@ -276,7 +297,11 @@ def resolve_shards(target: str) -> dict[str, str]:
             is a shard, named by its reverse-DNS name: for a StatefulSet behind a headless
             Service that is the pod's stable ``embcache-0.embcache.<ns>.svc.cluster.local``, so
             a shard keeps its place on the hash ring when its pod comes back with another IP.
-            An address without a reverse name is named by its IP.
+            An address without a reverse name is named by its IP; addresses that would share a
+            name (several ports of one host) are named by their ``ip:port``.
+        resolver: a callable with the shape of :func:`socket.getaddrinfo` (the default), called
+            as ``resolver(host, port, type=socket.SOCK_STREAM)``; each result's sockaddr gives the
+            address (its port too, so a resolver may return SRV-style ports).
 
     Raises:
         ValueError: no port, or the name does not resolve.
@@ -286,17 +311,20 @@ def resolve_shards(target: str) -> dict[str, str]:
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"expected 'dns:///name:port', got {target!r}")
     try:
-        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        infos = resolver(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise ValueError(f"{host!r} does not resolve: {exc}") from None
-    shards: dict[str, str] = {}
-    for ip in sorted({str(info[4][0]) for info in infos}):
+    if not infos:
+        raise ValueError(f"{host!r} does not resolve: no addresses")
+    named: list[tuple[str, str]] = []
+    for ip, p in sorted({(str(info[4][0]), int(info[4][1])) for info in infos}):
         try:
             name = socket.gethostbyaddr(ip)[0]
         except OSError:
             name = ip
-        shards[name] = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-    return shards
+        named.append((name, f"[{ip}]:{p}" if ":" in ip else f"{ip}:{p}"))
+    counts = {n: sum(1 for m, _ in named if m == n) for n, _ in named}
+    return {name if counts[name] == 1 else address: address for name, address in named}
 
 
 class Client:
@@ -323,10 +351,22 @@ class Client:
         max_message_bytes: largest message this client sends or receives (default 64 MiB; the
             servers' own limits are honoured too).
         vnodes: virtual nodes per shard on the ring (default 256).
+        resolver: for a ``dns:///`` target, the name resolver, with the shape of
+            :func:`socket.getaddrinfo` (the default; see :func:`resolve_shards`).
+        expected_shards: for a ``dns:///`` target, the number of shards the name must resolve to:
+            the constructor resolves again (every 0.2 s, up to ``connect_timeout``) until it does,
+            and :meth:`refresh_shards` keeps the current shards while it does not. Without it
+            the shards are whatever the name gives at that moment, and the key-to-shard map
+            with them. For a list or mapping, a different count is a ValueError.
+
+    DNS targets are resolved when the client is made, not on every call; :meth:`refresh_shards`
+    resolves again (e.g. after a shard was added) and moves keys to the new map.
 
     Raises:
-        UnavailableError, DeadlineExceededError: a shard could not be reached within ``connect_timeout``.
+        UnavailableError, DeadlineExceededError: a shard could not be reached within ``connect_timeout``,
+            or a ``dns:///`` name did not resolve to ``expected_shards`` addresses in that time.
         UnauthenticatedError, PermissionDeniedError: the servers refused the credentials.
+        ValueError: a malformed target, a name that does not resolve, or a list of the wrong length.
     """
 
     def __init__(self, servers: str | Sequence[str] | Mapping[str, str], *, timeout: float = 60.0,
@@ -334,31 +374,38 @@ class Client:
                  backoff: float = 0.05, max_backoff: float = 2.0, wait_for_ready: bool = True,
                  token: str | None = None, tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
                  tls_key: str | bytes | None = None, tls_server_name: str | None = None,
-                 max_message_bytes: int = 64 << 20, vnodes: int = 256) -> None:
-        if isinstance(servers, str):
-            servers = resolve_shards(servers) if servers.startswith("dns:///") else [servers]
+                 max_message_bytes: int = 64 << 20, vnodes: int = 256, resolver: Resolver = socket.getaddrinfo,
+                 expected_shards: int | None = None) -> None:
+        if expected_shards is not None and expected_shards < 1:
+            raise ValueError(f"expected_shards must be >= 1, got {expected_shards}")
+        self._dns_target = servers if isinstance(servers, str) and servers.startswith("dns:///") else None
+        self._resolver, self._expected_shards = resolver, expected_shards
+        if self._dns_target is not None:
+            servers = self._resolve(time.monotonic() + connect_timeout)
+        elif isinstance(servers, str):
+            servers = [servers]
         named = dict(servers) if isinstance(servers, Mapping) else {a: a for a in servers}
         if not named or len(named) != len(servers):
             raise ValueError(f"servers must be one or more distinct addresses, got {servers!r}")
+        if expected_shards is not None and len(named) != expected_shards:
+            raise ValueError(f"expected {expected_shards} shards, got {len(named)}: {list(named)}")
         self._timeout, self._long_timeout = timeout, long_timeout
         self._retries, self._backoff, self._max_backoff = retries, backoff, max_backoff
         self._wait = wait_for_ready
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
-                                          ("grpc.max_receive_message_length", max_message_bytes)]
-        creds = None
+        self._options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
+                                                ("grpc.max_receive_message_length", max_message_bytes)]
+        self._creds = None
         if tls_ca is not None or tls_cert is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=_read_pem(tls_ca), private_key=_read_pem(tls_key),
-                                                 certificate_chain=_read_pem(tls_cert))
+            self._creds = grpc.ssl_channel_credentials(root_certificates=_read_pem(tls_ca),
+                                                       private_key=_read_pem(tls_key),
+                                                       certificate_chain=_read_pem(tls_cert))
             if tls_server_name:
-                options.append(("grpc.ssl_target_name_override", tls_server_name))
-        self._shards: list[_Shard] = []
-        for name, address in named.items():
-            channel = (grpc.secure_channel(address, creds, options=options) if creds is not None
-                       else grpc.insecure_channel(address, options=options))
-            self._shards.append(_Shard(name, address, channel, pb_grpc.EmbeddingCacheServiceStub(channel),
-                                       _raw_calls(channel)))
-        self._ring = HashRing(list(named), vnodes)
+                self._options.append(("grpc.ssl_target_name_override", tls_server_name))
+        self._vnodes = vnodes
+        self._topo = _Topology([self._connect(name, address) for name, address in named.items()],
+                               HashRing(list(named), vnodes))
+        self._retired: list[_Shard] = []  # shards a refresh removed: closed with the client
         self._lock = threading.Lock()
         self._tables: dict[str, TableConfig] = {}
         self._max_message = max_message_bytes
@@ -371,11 +418,70 @@ class Client:
             self.close()
             raise
 
+    def _connect(self, name: str, address: str) -> _Shard:
+        channel = (grpc.secure_channel(address, self._creds, options=self._options) if self._creds is not None
+                   else grpc.insecure_channel(address, options=self._options))
+        return _Shard(name, address, channel, pb_grpc.EmbeddingCacheServiceStub(channel), _raw_calls(channel))
+
+    def _resolve(self, deadline: float) -> dict[str, str]:
+        """Resolve the dns:/// target, again every 0.2 s until it gives ``expected_shards`` addresses."""
+        assert self._dns_target is not None
+        while True:
+            shards = resolve_shards(self._dns_target, self._resolver)
+            if self._expected_shards is None or len(shards) == self._expected_shards:
+                return shards
+            if time.monotonic() + 0.2 >= deadline:
+                raise UnavailableError(f"{self._dns_target} resolves to {len(shards)} addresses "
+                                       f"({sorted(shards.values())}), expected {self._expected_shards}",
+                                       grpc.StatusCode.UNAVAILABLE)
+            time.sleep(0.2)
+
+    def refresh_shards(self) -> bool:
+        """Resolve the ``dns:///`` target again and use the shards it gives now.
+
+        Shards still present keep their channels; new ones are connected and given every table
+        the others have; removed ones stop getting calls (their channels close with the client).
+        Keys then follow the new ring: about 1/N of the keys move per shard added or removed, and
+        their rows stay on the shard that had them (nothing is migrated). Calls already running
+        finish on the old shards.
+
+        Returns:
+            True when the shards changed.
+
+        Raises:
+            ValueError: the client was not made from a ``dns:///`` target, or the name does not resolve.
+            UnavailableError: the name does not resolve to ``expected_shards`` addresses now
+                (the current shards are kept).
+        """
+        self._check_open()
+        if self._dns_target is None:
+            raise ValueError("refresh_shards() needs a client made from a 'dns:///name:port' target")
+        named = self._resolve(time.monotonic())
+        with self._lock:
+            old = self._topo
+            if {s.name: s.address for s in old.shards} == named:
+                return False
+            kept = {(s.name, s.address): s for s in old.shards}
+            shards = [kept.pop((n, a)) if (n, a) in kept else self._connect(n, a) for n, a in named.items()]
+            self._retired.extend(kept.values())
+            self._topo = _Topology(shards, HashRing(list(named), self._vnodes))
+        log.info("shards of %s changed: %s -> %s", self._dns_target, sorted(s.address for s in old.shards),
+                 sorted(named.values()))
+        # a new shard gets the tables the others have (those made by create_table are on the old shards only)
+        replies = self._fanout([(s, "ListTables", pb.ListTablesRequest()) for s in shards], idempotent=True)
+        tables = {t.name: t for r in replies for t in r.tables}
+        missing = [(s, "CreateTable", pb.CreateTableRequest(table=t)) for s, r in zip(shards, replies, strict=True)
+                   for name, t in tables.items() if name not in {have.name for have in r.tables}]
+        if missing:
+            self._fanout(missing, idempotent=True)
+        self._refresh_tables()
+        return True
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Close the channels (the servers keep running). Idempotent."""
         self._closed = True
-        for shard in self._shards:
+        for shard in [*self._topo.shards, *self._retired]:
             shard.channel.close()
 
     def __enter__(self) -> Client:
@@ -397,11 +503,11 @@ class Client:
     @property
     def servers(self) -> dict[str, str]:
         """Shard name -> address."""
-        return {s.name: s.address for s in self._shards}
+        return {s.name: s.address for s in self._topo.shards}
 
     def shard_of(self, keys: Any) -> np.ndarray:
         """Index (into :attr:`servers`) of the shard that owns each key: int64 [n]."""
-        return self._ring.owners(_as_keys(keys, self._max_batch_keys))
+        return self._topo.ring.owners(_as_keys(keys, self._max_batch_keys))
 
     # ------------------------------------------------------------------ calls, retries, deadlines
     def _check_open(self) -> None:
@@ -454,13 +560,24 @@ class Client:
                 try:
                     results[i] = fut.result()
                 except grpc.RpcError as err:
-                    resend = err.code() == grpc.StatusCode.UNAVAILABLE and (idempotent or not_applied(err))
+                    code = err.code()
+                    # UNAVAILABLE: not reached, or refused; CANCELLED (by this client only when it is
+                    # closed): a server that stopped as the call arrived. Only safe to resend when
+                    # idempotent, or when the server said the call had no effect.
+                    resend = not self._closed and (
+                        (idempotent and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED))
+                        or (code == grpc.StatusCode.UNAVAILABLE and not_applied(err)))
                     if resend and attempt < self._retries:
                         retry[i] = err
                     elif failed is None:
                         failed = (i, err)
             if failed is None and retry:
                 if self._sleep_backoff(attempt, deadline):
+                    for i, why in retry.items():
+                        shard, method, _ = calls[i]
+                        log.info("resending %s to %s (retry %d of %d) after %s%s: %s", method, shard.address,
+                                 attempt + 1, self._retries, why.code().name,
+                                 " (not applied)" if not_applied(why) else "", why.details())
                     todo, attempt = list(retry), attempt + 1
                     continue
                 failed = next(iter(retry.items()))
@@ -510,7 +627,7 @@ class Client:
 
     # ------------------------------------------------------------------ tables
     def _refresh_tables(self, timeout: float | None = None) -> dict[str, TableConfig]:
-        replies = self._fanout([(s, "ListTables", pb.ListTablesRequest()) for s in self._shards], idempotent=True,
+        replies = self._fanout([(s, "ListTables", pb.ListTablesRequest()) for s in self._topo.shards], idempotent=True,
                                timeout=timeout)
         tables: dict[str, TableConfig] = {}
         for reply in replies:
@@ -555,20 +672,22 @@ class Client:
         if not isinstance(cfg, TableConfig):
             raise ConfigError(f"create_table takes a TableConfig, got {type(cfg).__name__}")
         req = pb.CreateTableRequest(table=codec.table_to_proto(cfg))
-        replies = self._fanout([(s, "CreateTable", req) for s in self._shards], idempotent=True)
+        replies = self._fanout([(s, "CreateTable", req) for s in self._topo.shards], idempotent=True)
         with self._lock:
             self._tables[cfg.name] = cfg
         return any(r.created for r in replies)
 
     # ------------------------------------------------------------------ request building
-    def _parts_by_shard(self, batch: Mapping[str, tuple[np.ndarray, np.ndarray | None]]) -> list[list[_Part]]:
+    @staticmethod
+    def _parts_by_shard(batch: Mapping[str, tuple[np.ndarray, np.ndarray | None]],
+                        topo: _Topology) -> list[list[_Part]]:
         """Split each table's keys (and values) over the shards."""
-        per_shard: list[list[_Part]] = [[] for _ in self._shards]
+        per_shard: list[list[_Part]] = [[] for _ in topo.shards]
         for table, (keys, values) in batch.items():
-            if len(self._shards) == 1:
+            if len(topo.shards) == 1:
                 per_shard[0].append(_Part(table, None, keys, values))
                 continue
-            for i, pos in enumerate(self._ring.split(keys)):
+            for i, pos in enumerate(topo.ring.split(keys)):
                 if pos.size:
                     per_shard[i].append(_Part(table, pos, keys[pos], None if values is None else values[pos]))
         return per_shard
@@ -632,7 +751,8 @@ class Client:
         row_bytes = {t: 4 * d + 8 for t, d in dims.items()}
         calls: list[tuple[_Shard, str, Any]] = []
         layouts: list[list[_Part]] = []
-        for shard, parts in zip(self._shards, self._parts_by_shard(batch), strict=True):
+        topo = self._topo
+        for shard, parts in zip(topo.shards, self._parts_by_shard(batch, topo), strict=True):
             for chunk in self._chunks([p for p in parts if p.keys.size], row_bytes):
                 calls.append((shard, "Lookup", wire.encode_lookup_request([(p.table, p.keys) for p in chunk])))
                 layouts.append(chunk)
@@ -718,7 +838,8 @@ class Client:
         dims = {t: v.shape[1] for t, (_, v) in batch.items()}
         row_bytes = {t: 4 * d + 8 for t, d in dims.items()}
         calls: list[tuple[_Shard, str, Any]] = []
-        for shard, parts in zip(self._shards, self._parts_by_shard(batch), strict=True):
+        topo = self._topo
+        for shard, parts in zip(topo.shards, self._parts_by_shard(batch, topo), strict=True):
             chunks = self._chunks([p for p in parts if p.keys.size], row_bytes)
             if len(chunks) == 1:
                 calls.append((shard, method, wire.encode_values_request(
@@ -736,15 +857,16 @@ class Client:
                       ) -> list[tuple[_Shard, str, Any]]:
         ks = as_keysets(keysets)
         self._dims(list(ks))
-        per_shard: list[list[pb.TableKeyset]] = [[] for _ in self._shards]
+        topo = self._topo
+        per_shard: list[list[pb.TableKeyset]] = [[] for _ in topo.shards]
         for table, keyset in ks.items():
             keys, counts = keyset.keys.numpy(), keyset.counts.numpy()
-            positions = [None] if len(self._shards) == 1 else self._ring.split(keys)
+            positions = [None] if len(topo.shards) == 1 else topo.ring.split(keys)
             for i, pos in enumerate(positions):
                 k, c = (keys, counts) if pos is None else (keys[pos], counts[pos])
                 per_shard[i].append(pb.TableKeyset(table=table, keys=codec.encode_tensor(k),
                                                    counts=codec.encode_tensor(c)))
-        return [(s, method, make(parts)) for s, parts in zip(self._shards, per_shard, strict=True)]
+        return [(s, method, make(parts)) for s, parts in zip(topo.shards, per_shard, strict=True)]
 
     def prefetch(self, keysets: Mapping[str, Keyset | Any]) -> RemoteFuture:
         """Stage the rows of the next pass on every shard in the background.
@@ -820,7 +942,7 @@ class Client:
         Raises:
             PassStateError: no pass is active. UnavailableError, DeadlineExceededError.
         """
-        calls = [(s, "EndPass", pb.EndPassRequest(wait=True)) for s in self._shards]
+        calls = [(s, "EndPass", pb.EndPassRequest(wait=True)) for s in self._topo.shards]
         streams = self._open_streams(calls, self._long_timeout)
         return self._finish_streams(streams, calls, lambda finals: sum(int(f.written_rows) for f in finals))
 
@@ -831,7 +953,7 @@ class Client:
         Raises:
             StoreError, UnavailableError, DeadlineExceededError.
         """
-        self._fanout([(s, "Flush", pb.FlushRequest()) for s in self._shards], idempotent=True,
+        self._fanout([(s, "Flush", pb.FlushRequest()) for s in self._topo.shards], idempotent=True,
                      timeout=self._long_timeout)
 
     def checkpoint(self, directory: str | os.PathLike[str]) -> list[str]:
@@ -847,19 +969,20 @@ class Client:
             CheckpointExistsError, PermissionDeniedError (outside the root), StoreError, UnavailableError.
         """
         directory = os.fspath(directory)
-        names = [directory] if len(self._shards) == 1 else [os.path.join(directory, f"shard-{i}")
-                                                            for i in range(len(self._shards))]
-        calls = [(s, "Checkpoint", pb.CheckpointRequest(directory=d)) for s, d in zip(self._shards, names, strict=True)]
+        shards = self._topo.shards
+        names = [directory] if len(shards) == 1 else [os.path.join(directory, f"shard-{i}")
+                                                      for i in range(len(shards))]
+        calls = [(s, "Checkpoint", pb.CheckpointRequest(directory=d)) for s, d in zip(shards, names, strict=True)]
         replies = self._fanout(calls, idempotent=False, timeout=self._long_timeout)
         return [r.directory for r in replies]
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """``EmbeddingCache.stats()`` summed over shards (same shape; miss-ratio estimates averaged by lookups)."""
-        replies = self._fanout([(s, "Stats", pb.StatsRequest()) for s in self._shards], idempotent=True)
+        replies = self._fanout([(s, "Stats", pb.StatsRequest()) for s in self._topo.shards], idempotent=True)
         return _merge_stats([json.loads(r.json) for r in replies])
 
     def shard_stats(self) -> list[dict[str, dict[str, Any]]]:
         """``stats()`` of each shard, in :attr:`servers` order."""
-        replies = self._fanout([(s, "Stats", pb.StatsRequest()) for s in self._shards], idempotent=True)
+        replies = self._fanout([(s, "Stats", pb.StatsRequest()) for s in self._topo.shards], idempotent=True)
         return [json.loads(r.json) for r in replies]
 

@@ -25,7 +25,8 @@ out of a pass until it has begun.
 
 Without ``--servers``, rank 0 starts the shards (``embcache.server.local.LocalServer``, each on
 its own store in a temporary directory) and stops them at the end. Prints the loss per pass and
-rank, the per-shard hit rates, and checks that the ranks' dense weights are identical.
+rank, the per-shard hit rates, and checks that the ranks' dense weights are identical: every rank
+all-gathers every rank's parameters and compares them, and exits with 1 if any differ.
 """
 
 from __future__ import annotations
@@ -100,6 +101,18 @@ def pass_keyset(args: argparse.Namespace, p: int, rank: int, world: int) -> dict
     return {t: Keyset.from_keys(torch.cat(v)) for t, v in ids.items()}
 
 
+def replicas_identical(module: nn.Module) -> bool:
+    """Whether every rank holds bit-identical parameters of ``module`` (a collective: every rank calls it).
+
+    Each rank all-gathers every rank's flattened parameters and compares them all, so each rank
+    reaches the same verdict from the same data.
+    """
+    flat = torch.cat([q.detach().reshape(-1).to(torch.float64) for q in module.parameters()])  # lossless
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(g, gathered[0]) for g in gathered[1:])
+
+
 def start_shards(n: int, workdir: str) -> tuple[list[Any], list[str]]:
     """Start ``n`` embcache-server processes on 127.0.0.1 (rank 0 only)."""
     from embcache.server.local import LocalServer
@@ -115,7 +128,7 @@ def start_shards(n: int, workdir: str) -> tuple[list[Any], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train (see the module docstring); returns 0 when the ranks end with identical dense weights."""
+    """Train (see the module docstring); returns 0 when the ranks end with identical dense weights, else 1."""
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)  # 2 ranks + 2 servers on 2 cores: intra-op threads would only wait
     if "RANK" in os.environ:
@@ -189,11 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = time.perf_counter() - t0
         if staged is not None:
             staged.cancel()
-        # the replicas must be identical after DDP
-        flat = torch.cat([q.detach().reshape(-1) for q in dense.module.parameters()])
-        ref = flat.clone()
-        dist.broadcast(ref, src=0)
-        same = bool(torch.equal(flat, ref))
+        same = replicas_identical(dense.module)  # DDP must have kept the replicas equal
+        if not same:
+            print(f"[rank {rank}] dense replicas differ between the {world} ranks", flush=True)
         samples = args.passes * args.steps * args.batch
         dist.barrier()
         if rank == 0:

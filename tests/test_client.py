@@ -1,22 +1,40 @@
 """embcache.Client against real embcache-server processes on 127.0.0.1 (1 shard and 3 shards).
 
 The servers are module-scoped; each test works on tables of its own (created through the
-client), so tests do not see each other's rows.
+client), so tests do not see each other's rows. Where a test needs a server to misbehave on
+cue (refuse a call, lose a reply, hold requests), a small gRPC proxy in the test process stands
+in front of the real servers and forwards everything else byte for byte.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import logging
 import re
+import socket
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
 from embcache import CacheConfig, EmbeddingCache, Keyset, TableConfig
-from embcache.client import Client, PermissionDeniedError
+from embcache.client import (
+    Client,
+    DeadlineExceededError,
+    PermissionDeniedError,
+    RemoteError,
+    UnavailableError,
+    resolve_shards,
+)
 from embcache.errors import (
     BatchTooLargeError,
     CheckpointExistsError,
@@ -28,10 +46,12 @@ from embcache.errors import (
     TableConflictError,
     UnknownTableError,
 )
-from embcache.server.local import LocalServer
+from embcache.rpc.errors import NOT_APPLIED_KEY
+from embcache.server.local import LocalServer, wait_serving
 
 # Small tiers: most rows live in the store, so rows move between tiers during the tests.
 SERVER_ARGS = ["--hbm-bytes", "20000", "--ddr-bytes", "40000", "--store", "rocksdb", "--max-batch-keys", "50000"]
+START_TIMEOUT = 300  # seconds: server start-up (imports) on a loaded 2-core machine
 _names = itertools.count()
 
 
@@ -46,7 +66,7 @@ def one_shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]
     """One server with a 64 KiB message limit: batches of a few thousand rows are already chunked."""
     base = tmp_path_factory.mktemp("one")
     server = LocalServer(base / "store", args=[*SERVER_ARGS, "--max-message-bytes", "65536"], metrics=True,
-                         workdir=base / "run")
+                         workdir=base / "run", start_timeout=START_TIMEOUT)
     _start_all([server])
     yield server
     server.stop()
@@ -55,8 +75,8 @@ def one_shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]
 @pytest.fixture(scope="module")
 def three_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalServer]]:
     base = tmp_path_factory.mktemp("three")
-    servers = [LocalServer(base / f"store{i}", args=SERVER_ARGS, metrics=True, workdir=base / f"run{i}")
-               for i in range(3)]
+    servers = [LocalServer(base / f"store{i}", args=SERVER_ARGS, metrics=True, workdir=base / f"run{i}",
+                           start_timeout=START_TIMEOUT) for i in range(3)]
     _start_all(servers)
     yield servers
     for s in servers:
@@ -69,7 +89,7 @@ def three_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Loca
 def client(request: pytest.FixtureRequest) -> Iterator[Client]:
     servers = ([request.getfixturevalue("one_shard")] if request.param == 1
                else request.getfixturevalue("three_shards"))
-    with Client([s.address for s in servers], timeout=30) as c:
+    with Client([s.address for s in servers], timeout=120) as c:  # generous: first calls compile kernels
         _SERVERS[id(c)] = servers
         yield c
         del _SERVERS[id(c)]
@@ -103,7 +123,7 @@ def _rpc_count(server: LocalServer, method: str) -> int:
 
 
 # ---------------------------------------------------------------------- differential
-def test_random_ops_match_the_embedded_cache(client: Client, tmp_path) -> None:
+def test_random_ops_match_the_embedded_cache(client: Client, tmp_path: Path) -> None:
     """The same random op sequence through the client and through an embedded cache gives the same rows."""
     tables = _tables((8, "adagrad"), (4, "sgd"), (16, "adam"))
     for cfg in tables:
@@ -149,7 +169,7 @@ def test_random_ops_match_the_embedded_cache(client: Client, tmp_path) -> None:
         ref.close()
 
 
-def test_batches_above_the_message_limit_are_split_and_stay_exact(one_shard: LocalServer, tmp_path) -> None:
+def test_batches_above_the_message_limit_are_split_and_stay_exact(one_shard: LocalServer, tmp_path: Path) -> None:
     """Lookups become several requests; a write becomes one client stream applied as one request."""
     (cfg,) = _tables((16, "adagrad"))
     ref = EmbeddingCache(CacheConfig(path=str(tmp_path / "ref"), hbm_bytes=10_000, ddr_bytes=20_000, device="cpu"),
@@ -298,7 +318,7 @@ def test_flush_and_checkpoint(client: Client) -> None:
         client.checkpoint("../../escape")
 
 
-def test_client_is_a_backend_of_the_torch_modules(client: Client, tmp_path) -> None:
+def test_client_is_a_backend_of_the_torch_modules(client: Client, tmp_path: Path) -> None:
     """Training a model whose embeddings are served remotely gives the same rows and loss as embedded."""
     from embcache.nn import CachedEmbeddingBagCollection
 
@@ -345,3 +365,355 @@ def test_shards_resolved_from_a_dns_name(one_shard: LocalServer) -> None:
         resolve_shards("dns:///no-port")
     with pytest.raises(ValueError, match="resolve"):
         resolve_shards("dns:///no-such-host.invalid:1")
+
+
+# ---------------------------------------------------------------------- retries, deadlines, fan-out
+_UNARY_METHODS = {"ListTables", "CreateTable", "Lookup", "ApplyGradients", "Assign", "Flush", "Stats"}
+
+
+class _Proxy(grpc.GenericRpcHandler):
+    """A gRPC proxy in the test process in front of one real server.
+
+    Forwards the unary calls byte for byte and counts them per method. ``plan[method]`` lists what
+    to do to that method's next calls instead of forwarding them plainly: ``"refuse"`` (UNAVAILABLE,
+    not forwarded), ``"refuse_not_applied"`` (the same, marked not applied as a draining server
+    marks it), ``"cancel"`` (CANCELLED, not forwarded, as gRPC cancels a call that reaches a server
+    as it stops), ``"lose_reply"`` (forwarded and applied, then UNAVAILABLE, as when a connection
+    drops before the reply). With a ``barrier``, each Lookup and ApplyGradients waits there until every
+    proxy sharing it holds one (and fails with FAILED_PRECONDITION when they never all arrive).
+    """
+
+    def __init__(self, target: str, barrier: threading.Barrier | None = None) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.plan: dict[str, list[str]] = {}
+        self._barrier = barrier
+        self._lock = threading.Lock()
+        self._channel = grpc.insecure_channel(target)
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=8))
+        self._server.add_generic_rpc_handlers((self,))
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def service(self, handler_call_details: Any) -> Any:
+        method = handler_call_details.method
+        name = method.rsplit("/", 1)[-1]
+        if name not in _UNARY_METHODS:
+            return None
+        forward = self._channel.unary_unary(method)  # no serializers: bytes both ways
+
+        def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+            with self._lock:
+                self.calls[name] += 1
+                todo = self.plan.get(name)
+                action = todo.pop(0) if todo else "forward"
+            if action == "refuse_not_applied":
+                context.set_trailing_metadata(((NOT_APPLIED_KEY, "1"),))
+            if action.startswith("refuse"):
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"proxy: {name} refused, not forwarded")
+            if action == "cancel":
+                context.abort(grpc.StatusCode.CANCELLED, f"proxy: {name} cancelled, not forwarded")
+            if self._barrier is not None and name in ("Lookup", "ApplyGradients"):
+                try:
+                    self._barrier.wait()
+                except threading.BrokenBarrierError:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"proxy: {name} was not in flight together with the other shards' calls")
+            try:
+                reply = forward(request, timeout=120)
+            except grpc.RpcError as err:
+                context.set_trailing_metadata(err.trailing_metadata() or ())
+                context.abort(err.code(), err.details() or "")
+            if action == "lose_reply":
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"proxy: {name} applied, reply lost")
+            return reply
+
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    def close(self) -> None:
+        self._server.stop(None)
+        self._channel.close()
+
+
+@pytest.fixture(params=[1, 3], ids=["1shard", "3shards"])
+def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[list[LocalServer], list[_Proxy]]]:
+    """The real servers and a proxy in front of each."""
+    servers = ([request.getfixturevalue("one_shard")] if request.param == 1
+               else request.getfixturevalue("three_shards"))
+    proxies = [_Proxy(s.address) for s in servers]
+    yield servers, proxies
+    for p in proxies:
+        p.close()
+
+
+def _deltas(proxies: list[_Proxy], method: str, before: list[int]) -> list[int]:
+    return [p.calls[method] - b for p, b in zip(proxies, before, strict=True)]
+
+
+def test_idempotent_calls_are_resent_writes_only_when_not_applied(
+        proxied: tuple[list[LocalServer], list[_Proxy]], caplog: pytest.LogCaptureFixture) -> None:
+    servers, proxies = proxied
+    (cfg,) = _tables((4, "sgd"))  # SGD, lr 0.05: a gradient of ones moves every coordinate by exactly -0.05
+    keys = np.arange(300)
+    through = {s.address: p.address for s, p in zip(servers, proxies, strict=True)}  # same names: same ring
+    with Client([s.address for s in servers], timeout=60) as direct, \
+            Client(through, timeout=60, backoff=0.01) as c:
+        c.create_table(cfg)
+        before = direct.lookup(cfg.name, keys)
+        assert set(c.shard_of(keys).tolist()) == set(range(len(servers)))
+        rest = [1] * (len(servers) - 1)
+
+        # a lookup refused twice by the first shard is resent there (only there) and succeeds
+        proxies[0].plan["Lookup"] = ["refuse", "refuse"]
+        counts = [p.calls["Lookup"] for p in proxies]
+        with caplog.at_level(logging.INFO, logger="embcache.client"):
+            caplog.clear()
+            assert torch.equal(c.lookup(cfg.name, keys), before)
+        assert _deltas(proxies, "Lookup", counts) == [3, *rest]
+        assert len([r for r in caplog.records if r.getMessage().startswith("resending Lookup")]) == 2
+        proxies[0].plan["Lookup"] = ["cancel"]  # CANCELLED by a stopping server: resent too
+        counts = [p.calls["Lookup"] for p in proxies]
+        assert torch.equal(c.lookup(cfg.name, keys), before)
+        assert _deltas(proxies, "Lookup", counts) == [2, *rest]
+
+        # a write whose reply was lost may have been applied: not resent, it raises (here it was applied)
+        proxies[0].plan["ApplyGradients"] = ["lose_reply"]
+        counts = [p.calls["ApplyGradients"] for p in proxies]
+        with pytest.raises(UnavailableError, match="reply lost"):
+            c.apply_gradients(cfg.name, keys, torch.ones(keys.size, 4))
+        assert _deltas(proxies, "ApplyGradients", counts) == [1, *rest]
+        once = direct.lookup(cfg.name, keys)
+        assert torch.allclose(once, before - 0.05, atol=1e-6), "applied exactly once on every shard"
+
+        # a write the server refused before it had any effect (marked not applied) is resent, applied once
+        proxies[0].plan["ApplyGradients"] = ["refuse_not_applied"]
+        counts = [p.calls["ApplyGradients"] for p in proxies]
+        with caplog.at_level(logging.INFO, logger="embcache.client"):
+            caplog.clear()
+            c.apply_gradients(cfg.name, keys, torch.ones(keys.size, 4))
+        assert _deltas(proxies, "ApplyGradients", counts) == [2, *rest]
+        assert any("resending ApplyGradients" in r.getMessage() and "(not applied)" in r.getMessage()
+                   for r in caplog.records)
+        assert torch.allclose(direct.lookup(cfg.name, keys), once - 0.05, atol=1e-6)
+
+        # refused or cancelled without the mark: the client cannot know whether it ran: not resent
+        proxies[0].plan["Assign"] = ["refuse", "cancel"]
+        counts = [p.calls["Assign"] for p in proxies]
+        with pytest.raises(UnavailableError, match="refused"):
+            c.assign(cfg.name, keys, torch.zeros(keys.size, 4))
+        with pytest.raises(RemoteError, match="CANCELLED"):
+            c.assign(cfg.name, keys, torch.zeros(keys.size, 4))
+        assert _deltas(proxies, "Assign", counts) == [2, *[2] * len(rest)]
+
+    # resends are bounded by ``retries``
+    with Client(through, timeout=60, backoff=0.01, retries=2) as c:
+        proxies[0].plan["Lookup"] = ["refuse"] * 3
+        counts = [p.calls["Lookup"] for p in proxies]
+        with pytest.raises(UnavailableError, match="refused"):
+            c.lookup(cfg.name, keys)
+        assert _deltas(proxies, "Lookup", counts)[0] == 3
+
+
+def test_a_hung_shard_fails_at_the_deadline_and_the_client_recovers(three_shards: list[LocalServer]) -> None:
+    """A shard SIGSTOPped: a call that needs it raises DeadlineExceededError at about its timeout."""
+    (cfg,) = _tables((4, "sgd"))
+    addresses = [s.address for s in three_shards]
+    timeout = 4.0
+    keys = np.arange(300)
+    with Client(addresses, timeout=120) as setup:  # the first calls may compile kernels: no short deadline yet
+        setup.create_table(cfg)
+        before = setup.lookup(cfg.name, keys)
+    with Client(addresses, timeout=timeout) as c:
+        assert torch.equal(c.lookup(cfg.name, keys), before)
+        owner = c.shard_of(keys)
+        hung = three_shards[1]
+        hung.pause()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceededError, match=re.escape(hung.address)):
+                c.lookup(cfg.name, keys)
+            elapsed = time.monotonic() - t0
+            assert timeout * 0.9 <= elapsed < timeout + 20, elapsed  # wide: the machine is shared
+            healthy = owner != 1  # the other shards still answer, each call within its own deadline
+            assert torch.equal(c.lookup(cfg.name, keys[healthy]), before[torch.from_numpy(healthy)])
+        finally:
+            hung.resume()
+        wait_serving(hung.address, 120)
+        assert torch.equal(c.lookup(cfg.name, keys), before), "the same client works once the shard is back"
+
+
+def test_requests_to_the_shards_are_in_flight_together(three_shards: list[LocalServer]) -> None:
+    """Each shard's proxy holds its request until all three shards' requests have arrived.
+
+    A client that waited for one shard's reply before sending the next request would never get
+    all three there at once: the barrier would time out and the call fail.
+    """
+    barrier = threading.Barrier(3, timeout=60)
+    proxies = [_Proxy(s.address, barrier) for s in three_shards]
+    tables = _tables((4, "sgd"), (8, "sgd"))
+    try:
+        with Client([s.address for s in three_shards], timeout=120) as direct, \
+                Client({s.address: p.address for s, p in zip(three_shards, proxies, strict=True)},
+                       timeout=120) as c:
+            for cfg in tables:
+                c.create_table(cfg)
+            batch = {t.name: np.arange(0, 900, 3) for t in tables}
+            rows = c.lookup_many(batch)
+            want = direct.lookup_many(batch)
+            assert all(torch.equal(rows[n], want[n]) for n in batch)
+            c.apply_gradients_many({n: (k, torch.ones(k.size, rows[n].shape[1])) for n, k in batch.items()})
+            after = direct.lookup_many(batch)
+            assert all(torch.allclose(after[n], want[n] - 0.05, atol=1e-6) for n in batch)
+            assert [p.calls["Lookup"] for p in proxies] == [1, 1, 1]
+            assert [p.calls["ApplyGradients"] for p in proxies] == [1, 1, 1]
+            assert not barrier.broken
+    finally:
+        for p in proxies:
+            p.close()
+
+
+# ---------------------------------------------------------------------- atomicity under concurrency
+def test_concurrent_writers_and_readers_see_whole_write_requests(three_shards: list[LocalServer]) -> None:
+    """Writers assign one value to a whole batch of keys, or apply one gradient to all of them, while
+    readers read the batch: on each shard (a write is atomic per table and shard), every key of
+    every read must hold the same value, or some read saw a write request half applied."""
+    (cfg,) = _tables((8, "sgd"))
+    addresses = [s.address for s in three_shards]
+    keys = np.arange(0, 6000, 3)
+    n = keys.size
+    with Client(addresses, timeout=120) as setup:
+        setup.create_table(cfg)
+        setup.assign(cfg.name, keys, torch.zeros(n, 8))  # one value everywhere to start from
+        owner = setup.shard_of(keys)
+    masks = [torch.from_numpy(owner == i) for i in range(3)]
+    assert all(int(m.sum()) > 100 for m in masks)
+    torn: list[str] = []
+    failures: list[BaseException] = []
+    reads = [0, 0]  # reads done entirely while the writers were writing
+    writing, written, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def check(rows: torch.Tensor, who: str) -> None:
+        for i, m in enumerate(masks):
+            part = rows[m]
+            if not bool((part == part[0, 0]).all()):
+                values = torch.unique(part).tolist()
+                torn.append(f"{who}: shard {i} holds {len(values)} different values, e.g. {values[:4]}")
+
+    def reader(r: int) -> None:
+        try:
+            with Client(addresses, timeout=120) as c:
+                while not stop.is_set():
+                    during = writing.is_set()
+                    check(c.lookup(cfg.name, keys), f"reader {r}")
+                    if during and not written.is_set():
+                        reads[r] += 1
+        except BaseException as exc:  # reported by the test
+            failures.append(exc)
+
+    def writer(w: int) -> None:
+        try:
+            with Client(addresses, timeout=120) as c:
+                for step in range(20):
+                    if w % 2 == 0:
+                        c.assign(cfg.name, keys, torch.full((n, 8), float(1000 * (w + 1) + step)))
+                    else:
+                        c.apply_gradients(cfg.name, keys, torch.full((n, 8), float(w)))
+        except BaseException as exc:  # reported by the test
+            failures.append(exc)
+
+    readers = [threading.Thread(target=reader, args=(r,)) for r in range(2)]
+    writers = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in readers:
+        t.start()
+    writing.set()
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join(300)
+    written.set()
+    stop.set()
+    for t in readers:
+        t.join(300)
+    assert not failures, failures
+    assert not torn, torn[:5]
+    assert sum(reads) >= 4, f"only {reads} reads overlapped the writes"
+    with Client(addresses, timeout=120) as c:
+        check(c.lookup(cfg.name, keys), "final")
+    assert not torn, torn
+
+
+# ---------------------------------------------------------------------- shards from DNS
+_NAME = "shards.embcache.test"
+
+
+class _Dns:
+    """A resolver with getaddrinfo's shape for one name: 127.0.0.1 with a list of ports per answer.
+
+    Each call gives the next of ``answers`` (the last one again once they run out).
+    """
+
+    def __init__(self, *answers: list[int]) -> None:
+        self.answers = [list(a) for a in answers]
+        self.asked = 0
+
+    def now(self, ports: list[int]) -> None:
+        """Answer ``ports`` from now on."""
+        self.answers = [list(ports)]
+
+    def __call__(self, host: str, port: int, *args: Any, **kwargs: Any) -> list[tuple[Any, ...]]:
+        self.asked += 1
+        if host != _NAME:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        ports = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", p)) for p in ports]
+
+
+def test_shards_from_an_injected_resolver_and_refresh(three_shards: list[LocalServer]) -> None:
+    ports = [s.port for s in three_shards]
+    target = f"dns:///{_NAME}:50051"
+    dns = _Dns(ports)
+    # one host, several ports: each address is a shard, named by its address
+    assert resolve_shards(target, dns) == {s.address: s.address for s in three_shards}
+    with pytest.raises(ValueError, match="resolve"):
+        resolve_shards("dns:///other.embcache.test:1", dns)
+
+    (cfg,) = _tables((4, "sgd"))
+    keys = np.arange(3000)
+    dns.now(ports[:2])  # one shard not in DNS yet (e.g. its pod not ready)
+    with Client(target, resolver=dns, timeout=60) as c:
+        assert c.servers == {s.address: s.address for s in three_shards[:2]}
+        c.create_table(cfg)  # on the two shards it knows
+        c.assign(cfg.name, keys, torch.from_numpy(np.repeat(keys[:, None], 4, axis=1).astype(np.float32)))
+        assert c.refresh_shards() is False  # nothing changed
+        dns.now(ports)
+        assert c.refresh_shards() is True
+        assert c.servers == {s.address: s.address for s in three_shards}
+        new = list(c.servers).index(three_shards[2].address)
+        assert cfg.name in c.shard_stats()[new], "the new shard was given the table"
+        # keys move to the new shard only (consistent hashing), and their rows stay where they were
+        moved = c.shard_of(keys) == new
+        assert 0.2 < moved.mean() < 0.45
+        rows = c.lookup(cfg.name, keys)[:, 0].numpy()
+        assert np.array_equal(rows[~moved], keys[~moved].astype(np.float32))
+        assert not np.array_equal(rows[moved], keys[moved].astype(np.float32))
+        assert c.shard_stats()[new][cfg.name]["lookups"] == int(moved.sum())
+        dns.now(ports[:2])  # and gone again: its keys come back to the shards that kept their rows
+        assert c.refresh_shards() is True and len(c.servers) == 2
+        assert np.array_equal(c.lookup(cfg.name, keys)[:, 0].numpy(), keys.astype(np.float32))
+
+    # expected_shards: the constructor resolves again until the name gives that many addresses...
+    late = _Dns(ports[:1], ports[:1], ports)
+    with Client(target, resolver=late, expected_shards=3, timeout=60) as c:
+        assert late.asked == 3 and len(c.servers) == 3
+        # ... and a refresh that finds fewer keeps the shards it has
+        late.now(ports[:2])
+        with pytest.raises(UnavailableError, match="expected 3"):
+            c.refresh_shards()
+        assert len(c.servers) == 3 and c.lookup(cfg.name, keys[:10]).shape == (10, 4)
+    t0 = time.monotonic()
+    with pytest.raises(UnavailableError, match="resolves to 1 addresses"):
+        Client(target, resolver=_Dns(ports[:1]), expected_shards=3, connect_timeout=1)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(ValueError, match="expected 2 shards"):
+        Client([s.address for s in three_shards], expected_shards=2)
+    with Client([three_shards[0].address]) as c, pytest.raises(ValueError, match="dns:///"):
+        c.refresh_shards()

@@ -187,6 +187,16 @@ class LocalServer:
             self.proc.kill()
             self.proc.wait()
 
+    def pause(self) -> None:
+        """SIGSTOP: the process stops answering (its sockets stay open), as a hung or overloaded server."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def restart(self) -> LocalServer:
         """Start again on the same store and port (after :meth:`stop` or :meth:`kill`)."""
         self.kill()

@@ -29,9 +29,13 @@ Durability (what an acknowledged write survives):
   A flush writes every dirty row and syncs the store (RocksDB WAL synced, LMDB env.sync), so
   what it covers survives kill -9 and power loss.
 
-Shutdown (SIGTERM or SIGINT): the health service turns NOT_SERVING, new calls are refused with
-UNAVAILABLE (marked not applied, so clients may resend them) for --drain-seconds, calls in
-flight finish (up to --grace-seconds), then every dirty row is flushed and the store closed.
+Shutdown (SIGTERM or SIGINT): the health service turns NOT_SERVING and new calls are refused with
+UNAVAILABLE, marked not applied (embcache.Client resends them, writes included), for
+--drain-seconds; then the server stops listening, calls already running finish (up to
+--grace-seconds), every dirty row is flushed and the store closed. With the default
+--drain-seconds 0 it stops listening at once: a call arriving just then is cancelled by gRPC
+(CANCELLED, unmarked; the client resends it only if it is idempotent), later ones find no server
+(the client waits for one on that address until the call's deadline).
 
 Security: TLS with --tls-cert/--tls-key; mutual TLS adds --tls-client-ca (clients must present a
 certificate signed by it). --auth-token-file requires ``authorization: Bearer <token>`` on every
@@ -331,6 +335,7 @@ class _TokenAuth(grpc.ServerInterceptor):
         self._rw, self._ro, self._observe = rw, ro, observe
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        t0 = time.perf_counter()  # a refused call's latency counts from here: the token check is its work
         method = details.method
         if not method.startswith(_METHOD_PREFIX):
             return continuation(details)
@@ -343,14 +348,16 @@ class _TokenAuth(grpc.ServerInterceptor):
             if name not in WRITE_METHODS:
                 return continuation(details)
             return self._refuse(continuation(details), name, grpc.StatusCode.PERMISSION_DENIED,
-                                f"{name} needs a read-write token; this token may only call ListTables, Lookup, Stats")
+                                f"{name} needs a read-write token; this token may only call ListTables, Lookup, Stats",
+                                t0)
         why = "a wrong bearer token" if token else "no bearer token (metadata 'authorization: Bearer <token>')"
         return self._refuse(continuation(details), name, grpc.StatusCode.UNAUTHENTICATED,
-                            f"{name} refused: {why}")
+                            f"{name} refused: {why}", t0)
 
-    def _refuse(self, handler: Any, name: str, code: grpc.StatusCode, message: str) -> Any:
+    def _refuse(self, handler: Any, name: str, code: grpc.StatusCode, message: str, t0: float) -> Any:
+        """A handler that records the time since ``t0`` (the call's arrival) and aborts with ``code``."""
         def abort(request: Any, context: grpc.ServicerContext) -> Any:
-            self._observe(name, code.name, 0.0)
+            self._observe(name, code.name, time.perf_counter() - t0)
             context.abort(code, message)
 
         if handler is None:
