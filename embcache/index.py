@@ -161,6 +161,26 @@ class KeyIndex(abc.ABC):
             int64 [n] slots on ``self.device``, -1 where a key is absent.
         """
 
+    def find_touch(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float,
+                   now: int) -> tuple[torch.Tensor, int]:
+        """:meth:`find`, and count one access per found key: ``freq[slot] += inc``, ``last[slot] = now``.
+
+        Args:
+            keys: int64 [n] on ``self.device``; duplicates allowed (each occurrence counts).
+            freq, last: float64 and int64 [capacity] per-slot counters on ``self.device``.
+            inc: weight of one access; now: the current tick.
+
+        Returns:
+            (slots int64 [n], -1 where absent; how many keys were found).
+        """
+        slots = self.find(keys)
+        hit = torch.nonzero(slots >= 0).flatten()
+        if hit.numel():
+            hs = slots.index_select(0, hit)
+            freq.index_add_(0, hs, torch.full(hs.shape, inc, dtype=freq.dtype, device=freq.device))
+            last.index_fill_(0, hs, now)
+        return slots, int(hit.numel())
+
     @abc.abstractmethod
     def insert(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Map ``keys[i]`` to ``slots[i]``.
@@ -504,6 +524,41 @@ def _find_py(tab: Any, keys: Any, out: Any) -> None:
             out[i] = _lookup(tab, keys[i], homes[i - lo], mask)
 
 
+def _find_touch_py(tab: Any, keys: Any, out: Any, freq: Any, last: Any, inc: float, now: int) -> int:
+    # _find_py, and each hit counts one access of its row (freq += inc, last = now) as it is
+    # found: one pass instead of find, a hit count and a touch (the all-hit lookup's hot path).
+    mask = np.uint64(tab.shape[0] - 1)
+    n = keys.shape[0]
+    homes = np.empty(_GROUP, np.uint64)
+    hits = 0
+    for lo in range(0, n, _GROUP):
+        hi = min(lo + _GROUP, n)
+        for i in range(lo, hi):
+            h = _home(keys[i], mask)
+            homes[i - lo] = h
+            _prefetch(tab, h)
+        for i in range(lo, hi):
+            s = _lookup(tab, keys[i], homes[i - lo], mask)
+            out[i] = s
+            if s >= 0:
+                freq[s] += inc
+                last[s] = now
+                hits += 1
+    return hits
+
+
+def _touch_py(slots: Any, freq: Any, last: Any, inc: float, now: int) -> int:
+    # The touch of _find_touch_py for slots found by a (parallel) find; returns the hits.
+    hits = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s >= 0:
+            freq[s] += inc
+            last[s] = now
+            hits += 1
+    return hits
+
+
 def _insert_py(tab: Any, keys: Any, slots: Any) -> None:
     # Sequential: keys of one batch may share clusters. Load stays <= 50%, so the probe always
     # reaches a free entry.
@@ -605,6 +660,10 @@ def _numba_kernels() -> dict[str, Any]:
             "find": numba.njit(tab_keys_out, cache=True, nogil=True)(_find_py),
             "insert": numba.njit(tab_keys_out, cache=True, nogil=True)(_insert_py),
             "erase": numba.njit("int64(int64[:, ::1], int64[::1])", cache=True, nogil=True)(_erase_py),
+            "find_touch": numba.njit("int64(int64[:, ::1], int64[::1], int64[::1], float64[::1], int64[::1], "
+                                     "float64, int64)", cache=True, nogil=True)(_find_touch_py),
+            "touch": numba.njit("int64(int64[::1], float64[::1], int64[::1], float64, int64)",
+                                cache=True, nogil=True)(_touch_py),
         }
         # Compile-or-load now, so that a failure surfaces here rather than mid-training.
         tab = np.full((16, 2), -1, np.int64)
@@ -747,6 +806,21 @@ class NumbaIndex(KeyIndex):
         out = torch.empty(k.shape[0], dtype=torch.int64)
         _shared_find(self._k["find"], self._tab, k, out.numpy())
         return out
+
+    def find_touch(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float,
+                   now: int) -> tuple[torch.Tensor, int]:
+        """:meth:`KeyIndex.find_touch` in one compiled pass (CPU tensors; ``freq``/``last`` contiguous).
+
+        Batches large enough for :meth:`find`'s helper threads are found in parallel and touched
+        after, on this thread (concurrent ``freq[s] += inc`` of a repeated slot would lose counts).
+        """
+        k = self._np(keys)
+        out = torch.empty(k.shape[0], dtype=torch.int64)
+        o, f, la = out.numpy(), freq.numpy(), last.numpy()
+        if k.shape[0] >= 2 * _CHUNK and _Helpers.get() is not None:
+            _shared_find(self._k["find"], self._tab, k, o)
+            return out, int(self._k["touch"](o, f, la, float(inc), int(now)))
+        return out, int(self._k["find_touch"](self._tab, k, o, f, la, float(inc), int(now)))
 
     def insert(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Map ``keys[i]`` to ``slots[i]``.

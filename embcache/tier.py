@@ -153,6 +153,13 @@ class MemoryTier:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
         return self.index.find(keys.to(self.device))
 
+    def find_touch(self, keys: torch.Tensor, increment: float, now: int) -> tuple[torch.Tensor, int]:
+        """Slots of ``keys`` (int64 [n], -1 where absent) and how many were found; each found
+        occurrence counts one access of weight ``increment`` (as :meth:`touch_each`), in one pass."""
+        if self.capacity == 0:
+            return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device), 0
+        return self.index.find_touch(keys.to(self.device), self.freq, self.last, increment, now)
+
     def fused_scratch(self) -> FusedScratch:
         """Scratch buffers of the fused update kernel for this tier (made on first use)."""
         if self._fused_scratch is None:

@@ -351,3 +351,26 @@ def test_numba_find_after_fork() -> None:
         os._exit(0 if (index.find(q).numpy() == want).all() else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("n", [1000, 40_000])  # one pass, and the parallel find + serial touch
+def test_find_touch_equals_find_then_touch(n: int) -> None:
+    rng = np.random.default_rng(3)
+    stored = torch.from_numpy(rng.choice(2**62, size=5000, replace=False))
+    indexes = [make_index(5000, "cpu"), TorchIndex(5000, "cpu")]
+    keys = torch.cat([stored[torch.from_numpy(rng.integers(0, 5000, n))],
+                      torch.from_numpy(rng.integers(-(2**62), 0, n // 10))])  # repeats and misses
+    want_slots = None
+    for index in indexes:
+        index.insert(stored, torch.arange(5000))
+        freq = torch.zeros(5000, dtype=torch.float64)
+        last = torch.zeros(5000, dtype=torch.int64)
+        slots, hits = index.find_touch(keys, freq, last, 0.5, 7)
+        assert torch.equal(slots, index.find(keys))
+        found = slots[slots >= 0]
+        assert hits == found.numel() == n
+        counts = torch.bincount(found, minlength=5000).to(torch.float64)
+        torch.testing.assert_close(freq, 0.5 * counts, rtol=0, atol=0)  # every occurrence counted
+        assert torch.equal(last, torch.where(counts > 0, 7, 0))
+        want_slots = slots if want_slots is None else want_slots
+        assert torch.equal(slots, want_slots)
