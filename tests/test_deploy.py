@@ -398,8 +398,10 @@ def test_server_accepts_the_manifests_config_and_flags(tmp_path: Path) -> None:
     # Both memory tiers live in RAM on a CPU node: the memory request covers them with room for the process.
     request = container["resources"]["requests"]["memory"]
     assert request.endswith("Gi") and int(request[:-2]) << 30 >= cfg.hbm_bytes + cfg.ddr_bytes + (512 << 20)
-    # Kubernetes waits for the drain (calls in flight) and the flush after it before killing the pod.
-    assert pod["terminationGracePeriodSeconds"] >= settings.grace_seconds + 60
+    # Kubernetes waits for the drain (refusing, then calls in flight) and the flush after it before
+    # killing the pod; the drain refuses new calls for a while, so that clients resend them.
+    assert settings.drain_seconds > 0
+    assert pod["terminationGracePeriodSeconds"] >= settings.drain_seconds + settings.grace_seconds + 60
 
 
 def test_dockerfile_lint_and_consistency() -> None:
