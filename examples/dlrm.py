@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive, default=2048, help="samples per batch (default 2048)")
     p.add_argument("--dim", type=_positive, default=16, help="embedding dimension (default 16)")
     p.add_argument("--scale", type=float, default=0.3,
-                   help="table cardinalities = Criteo Kaggle's x scale (default 0.3: up to 3M ids per table)")
+                   help="table cardinalities = Criteo Kaggle's x scale (default 0.3: up to 3M ids per table; "
+                        "4: up to 41M, Terabyte-like)")
     p.add_argument("--drift", type=float, default=0.02, help="new hot ids per pass, x sqrt(cardinality)")
     p.add_argument("--hbm-mb", type=float, default=None,
                    help="HBM tier in MiB (default: what the largest pass needs, +10%%; see _memory_plan)")

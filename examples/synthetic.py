@@ -5,7 +5,9 @@ label, like the Criteo click logs DLRM is trained on. The data set is split into
 days); pass ``p`` is a pure function of ``(config, p)``.
 
 * **Ids.** Feature ``f`` has ``n_f`` items (Criteo Kaggle's cardinalities times ``scale``: from
-  a handful up to 10M at ``scale=1``). An item index ``i`` in ``[0, n_f)`` is written as the
+  a handful up to 10M at ``scale=1``; ``scale=4`` gives four tables of 22M-41M items, the size of
+  Criteo Terabyte's largest, and nothing is materialized per item, so any scale costs the same
+  per sample). An item index ``i`` in ``[0, n_f)`` is written as the
   sparse int64 id ``fmix64(i ^ salt_f)`` (murmur3's 64-bit finalizer, a bijection), so ids are
   scattered over the whole int64 range like hashed Criteo values; :meth:`SyntheticConfig.item_of`
   inverts it (the dense index a plain ``torch.nn.EmbeddingBag`` needs).

@@ -117,6 +117,20 @@ def test_generator_is_deterministic(tmp_path: Any) -> None:
     assert [len(x.labels) for x in batches] == [300, 300, 300, 100]
 
 
+def test_terabyte_scale_has_tens_of_millions_of_ids_per_table(tmp_path: Any) -> None:
+    # Criteo Terabyte's largest tables hold tens of millions of ids: scale 4 gets there, and ids
+    # drawn from them span that range (the generator keeps no per-item state, so this is cheap).
+    cfg = SyntheticConfig(seed=1, scale=4.0)
+    assert max(cfg.cardinalities) > 40_000_000
+    assert sum(c > 20_000_000 for c in cfg.cardinalities) == 4
+    ds = generate_dataset(tmp_path / "tb", cfg, 20_000, passes=1, progress=False)
+    _, sparse, _ = ds.arrays(0)
+    big = int(np.argmax(cfg.cardinalities))
+    items = cfg.items_of(np.asarray(sparse))[:, big]
+    assert items.max() > 10_000_000  # the Zipf tail reaches deep into the 41M items
+    assert len(np.unique(items)) > 5_000
+
+
 def test_generator_drifts_between_passes(tmp_path: Any) -> None:
     cfg = SyntheticConfig(seed=0, scale=0.01, drift=0.05)
     ds = generate_dataset(tmp_path / "d", cfg, 20_000, passes=3, progress=False)
