@@ -279,6 +279,7 @@ class RedisServer:
         except ImportError:
             raise RedisUnavailable("redis-py not installed (pip install -e '.[bench]')") from None
         self._redis = redis
+        os.makedirs(workdir, exist_ok=True)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = int(sock.getsockname()[1])

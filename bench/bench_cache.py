@@ -217,6 +217,17 @@ def split_batches(ids: np.ndarray, batch: int) -> list[np.ndarray]:
     return [np.ascontiguousarray(ids[i * batch:(i + 1) * batch]) for i in range(n)]
 
 
+def warm_and_segments(ids: np.ndarray, batch: int, segments: int,
+                      ) -> tuple[list[np.ndarray], list[np.ndarray], list[list[np.ndarray]]]:
+    """``(all batches, warm-up half, timed half cut into at most ``segments`` equal segments)``."""
+    batches = split_batches(ids, batch)
+    n_warm = len(batches) // 2
+    warm, timed = batches[:n_warm], batches[n_warm:]
+    n_seg = min(segments, len(timed))
+    per = len(timed) // n_seg
+    return batches, warm, [timed[i * per:(i + 1) * per] for i in range(n_seg)]
+
+
 def table_config(dim: int) -> TableConfig:
     """The benchmark's table: row-wise AdaGrad, dim ``dim``."""
     return TableConfig(name=TABLE, dim=dim, optimizer="rowwise_adagrad", lr=LR, eps=EPS, seed=1)
@@ -580,12 +591,8 @@ def run_tier_sweep(batch: int, dim: int, ids: np.ndarray, prefilled: str, n_dist
     copy of the prefilled store) alternates segment by segment with RocksDB direct (one shared
     read-only copy), so each point has its own reference measured beside it.
     """
-    batches = split_batches(ids, batch)
-    n_warm = len(batches) // 2
-    warm, timed = batches[:n_warm], batches[n_warm:]
-    n_seg = min(args.segments, len(timed))
-    per = len(timed) // n_seg
-    segments = [timed[i * per:(i + 1) * per] for i in range(n_seg)]
+    batches, warm, segments = warm_and_segments(ids, batch, args.segments)
+    per = len(segments[0])
     seg_rows = per * batch
     rb = row_bytes_of(dim, work_dir)
     wb = 4 * dim
@@ -655,12 +662,8 @@ def run_tiered(batch: int, dim: int, ids: np.ndarray, prefilled: str, prefilled_
     on the same batches, then run the timed segments in turn (segment i of each before segment
     i + 1 of any), so that they see the same machine load.
     """
-    batches = split_batches(ids, batch)
-    n_warm = len(batches) // 2
-    warm, timed = batches[:n_warm], batches[n_warm:]
-    n_seg = min(args.segments, len(timed))
-    per = len(timed) // n_seg
-    segments = [timed[i * per:(i + 1) * per] for i in range(n_seg)]
+    batches, warm, segments = warm_and_segments(ids, batch, args.segments)
+    n_warm, n_seg, per = len(warm), len(segments), len(segments[0])
     seg_rows = per * batch
     rb = row_bytes_of(dim, work_dir)
     hbm_rows = math.ceil(0.01 * n_distinct)

@@ -32,7 +32,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from bench._common import format_ratio, machine_info, markdown_table, write_json  # noqa: E402
-from bench.bench_policy import WORKLOADS  # noqa: E402
+from bench.workloads import WORKLOADS  # noqa: E402
 from embcache import CacheConfig, EmbeddingCache, TableConfig  # noqa: E402
 
 N_KEYS, N_ACCESSES, BATCH = 200_000, 500_000, 256

@@ -44,8 +44,7 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,7 @@ if str(_ROOT) not in sys.path:  # run as a script: make `bench` and `embcache` i
     sys.path.insert(0, str(_ROOT))
 
 from bench._common import format_ratio, machine_info  # noqa: E402
-from bench.workloads import bursty_trace, drifting_trace, scan_mix_trace, zipf_trace  # noqa: E402
+from bench.workloads import WORKLOADS, Workload  # noqa: E402
 from embcache.sim import REFERENCE_POLICIES  # noqa: E402
 
 RESULTS_DIR = _ROOT / "bench" / "results"
@@ -65,37 +64,6 @@ CAPACITY_FRACTIONS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 QUICK_CAPACITY_FRACTIONS = (0.0025, 0.01, 0.04)
 QUICK_WORKLOADS = ("zipf-1.05", "drifting", "bursty")
 SUMMARY_FRACTION = 0.01
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A named trace generator: ``make(n_accesses, n_keys, seed) -> keys``."""
-
-    name: str
-    description: str
-    make: Callable[[int, int, int], np.ndarray]
-
-
-WORKLOADS: tuple[Workload, ...] = (
-    Workload("zipf-0.8", "stationary Zipf, alpha 0.8", lambda n, k, s: zipf_trace(n, k, 0.8, seed=s)),
-    Workload("zipf-1.05", "stationary Zipf, alpha 1.05", lambda n, k, s: zipf_trace(n, k, 1.05, seed=s)),
-    Workload("zipf-1.2", "stationary Zipf, alpha 1.2", lambda n, k, s: zipf_trace(n, k, 1.2, seed=s)),
-    Workload(
-        "drifting",
-        "Zipf 1.0; 20 phases, each replacing 30% of the top-5% ranks with cold keys",
-        lambda n, k, s: drifting_trace(n, k, alpha=1.0, n_phases=20, hot_fraction=0.05, drift=0.3, seed=s),
-    ),
-    Workload(
-        "bursty",
-        "Zipf 1.0 background; 100 bursts of n/200 accesses, half of them to n_keys/5000 fresh cold keys",
-        lambda n, k, s: bursty_trace(n, k, alpha=1.0, n_bursts=100, intensity=0.5, seed=s),
-    ),
-    Workload(
-        "scan-mix",
-        "Zipf 1.0; 30% of blocks of n_keys/100 accesses are scans of never-repeated keys",
-        lambda n, k, s: scan_mix_trace(n, k, alpha=1.0, scan_fraction=0.3, seed=s),
-    ),
-)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,9 +25,14 @@ The workloads:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 __all__ = [
+    "WORKLOADS",
+    "Workload",
     "bursty_trace",
     "drifting_trace",
     "scan_mix_trace",
@@ -274,3 +279,34 @@ def scan_mix_trace(
     n_scan = int(is_scan.sum())
     trace[is_scan] = n_keys + np.arange(n_scan, dtype=np.int64)
     return trace
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named trace generator: ``make(n_accesses, n_keys, seed) -> keys``."""
+
+    name: str
+    description: str
+    make: Callable[[int, int, int], np.ndarray]
+
+
+WORKLOADS: tuple[Workload, ...] = (
+    Workload("zipf-0.8", "stationary Zipf, alpha 0.8", lambda n, k, s: zipf_trace(n, k, 0.8, seed=s)),
+    Workload("zipf-1.05", "stationary Zipf, alpha 1.05", lambda n, k, s: zipf_trace(n, k, 1.05, seed=s)),
+    Workload("zipf-1.2", "stationary Zipf, alpha 1.2", lambda n, k, s: zipf_trace(n, k, 1.2, seed=s)),
+    Workload(
+        "drifting",
+        "Zipf 1.0; 20 phases, each replacing 30% of the top-5% ranks with cold keys",
+        lambda n, k, s: drifting_trace(n, k, alpha=1.0, n_phases=20, hot_fraction=0.05, drift=0.3, seed=s),
+    ),
+    Workload(
+        "bursty",
+        "Zipf 1.0 background; 100 bursts of n/200 accesses, half of them to n_keys/5000 fresh cold keys",
+        lambda n, k, s: bursty_trace(n, k, alpha=1.0, n_bursts=100, intensity=0.5, seed=s),
+    ),
+    Workload(
+        "scan-mix",
+        "Zipf 1.0; 30% of blocks of n_keys/100 accesses are scans of never-repeated keys",
+        lambda n, k, s: scan_mix_trace(n, k, alpha=1.0, scan_fraction=0.3, seed=s),
+    ),
+)
