@@ -12,6 +12,7 @@ import ipaddress
 import json
 import logging
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -210,6 +211,18 @@ def test_metrics_endpoint(served: Served) -> None:
     assert ok and float(ok.group(1)) >= 1
     assert re.search(r'embcache_rpc_request_duration_seconds_count\{code="NOT_FOUND",method="Lookup"\} ', text)
     assert re.search(r'embcache_lookups_total\{table="b"\} ', text)
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_server_keeps_serving(served: Served) -> None:
+    """An operator's first look at a stuck server: its threads' stacks in its log, no restart."""
+    server, stub = served
+    assert server.proc is not None
+    before = len(server.log())
+    server.proc.send_signal(signal.SIGUSR1)
+    _wait_for(lambda: "most recent call first" in server.log()[before:], timeout=30)
+    dump = server.log()[before:]
+    assert "Thread 0x" in dump and "embcache/server/main.py" in dump, dump
+    assert _lookup(stub, "b", [1, 2, 3]).shape == (3, 8)
 
 
 # ---------------------------------------------------------------------- TLS, mutual TLS, bearer tokens
@@ -553,6 +566,7 @@ def test_graceful_shutdown_under_load_loses_no_acknowledged_update(tmp_path: Pat
                                       for m in caplog.messages), timeout=30)
         assert server.stop() == 0
         assert "stopped cleanly" in server.log()
+        assert "shutdown: cache flushed and closed" in server.log()
         for w in workers:
             w.join()
         server.start()

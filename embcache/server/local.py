@@ -166,15 +166,22 @@ class LocalServer:
         return self
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM (graceful: drain, flush, close) and wait; returns the exit status."""
+        """SIGTERM (graceful: drain, flush, close) and wait; returns the exit status.
+
+        Raises:
+            TimeoutError: still running after ``timeout`` s (it is then killed; the message holds its log).
+        """
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc is not None else 0
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # the server prints its threads' stacks to its log
+            time.sleep(1.0)
             self.kill()
-            raise
+            raise TimeoutError(f"embcache-server did not stop within {timeout:g} s of SIGTERM; its log, with the "
+                               f"stacks of its threads at the end:\n{self.log()[-20000:]}") from None
 
     def terminate(self) -> None:
         """Send SIGTERM without waiting (stop several servers together, then :meth:`stop` each)."""

@@ -43,6 +43,9 @@ cache call (missing or wrong: UNAUTHENTICATED); tokens in --auth-readonly-token-
 call ListTables, Lookup and Stats (others: PERMISSION_DENIED). Health and reflection stay open
 for probes. Token files hold one token per line; EMBCACHE_AUTH_TOKEN adds a read-write token.
 
+Diagnostics: ``kill -USR1 PID`` prints every thread's stack to stderr; a shutdown still running
+30 s after its drain and grace prints them too (every 30 s until it ends).
+
 Config file (TOML, or JSON when the name ends in .json); flags override it:
 
     listen = "127.0.0.1:50051"
@@ -68,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -393,16 +397,25 @@ class RunningServer:
         if self._stopped:
             return
         self._stopped = True
-        self.health.enter_graceful_shutdown()
-        self.servicer.begin_shutdown()
-        if self.drain_seconds > 0:
-            time.sleep(self.drain_seconds)
-        self.server.stop(self.grace_seconds).wait()
-        self.durability.stop()
-        self.cache.close()
-        if self._metrics_httpd is not None:
-            self._metrics_httpd.shutdown()
-            self._metrics_httpd.server_close()
+        # A shutdown that takes far longer than its drain and grace is stuck: print every thread's
+        # stack to stderr (the server log) so that the cause can be read there, and go on waiting.
+        faulthandler.dump_traceback_later(self.drain_seconds + self.grace_seconds + 30.0, repeat=True)
+        t0 = time.perf_counter()
+        try:
+            self.health.enter_graceful_shutdown()
+            self.servicer.begin_shutdown()
+            if self.drain_seconds > 0:
+                time.sleep(self.drain_seconds)
+            self.server.stop(self.grace_seconds).wait()
+            log.info("shutdown: calls finished after %.2f s", time.perf_counter() - t0)
+            self.durability.stop()
+            self.cache.close()
+            log.info("shutdown: cache flushed and closed after %.2f s", time.perf_counter() - t0)
+            if self._metrics_httpd is not None:
+                self._metrics_httpd.shutdown()
+                self._metrics_httpd.server_close()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
@@ -513,6 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:  # installed before serving: a signal during start-up still stops cleanly
             signal.signal(sig, lambda *_: stop.set())
+        if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack to stderr
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         running = start_server(s)
     except (ConfigError, ValueError, RuntimeError) as exc:
         print(f"embcache-server: {type(exc).__name__}: {exc}", file=sys.stderr)
