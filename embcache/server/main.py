@@ -406,7 +406,13 @@ class RunningServer:
             self.servicer.begin_shutdown()
             if self.drain_seconds > 0:
                 time.sleep(self.drain_seconds)
-            self.server.stop(self.grace_seconds).wait()
+            # gRPC cancels what still runs after the grace period, but its "stopped" event waits for
+            # every handler thread, and one can be stuck outside our code: bound that wait too. The
+            # flush below still takes the table locks, so a handler inside the cache finishes first.
+            if not self.server.stop(self.grace_seconds).wait(self.grace_seconds + 10.0):
+                log.warning("shutdown: gRPC calls still not finished %.0f s after the grace period; flushing "
+                            "anyway (their stacks follow on stderr)", 10.0)
+                faulthandler.dump_traceback(all_threads=True)
             log.info("shutdown: calls finished after %.2f s", time.perf_counter() - t0)
             self.durability.stop()
             self.cache.close()
