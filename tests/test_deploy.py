@@ -553,8 +553,10 @@ def test_prometheus_records_the_hit_ratio_of_a_live_server(tmp_path: Path) -> No
         prom.wait(lambda: [v for _, v in prom.query(lookups).values()] == [total], "the final scrape")
         (scraped,) = [v for _, v in prom.query(f"timestamp({lookups})").values()]
         ratio = "job_table_tier:embcache_tier_hit_ratio:rate1m"
-        prom.wait(lambda: min(v for _, v in prom.query(f"timestamp({ratio})").values()) >= scraped,
-                  "a rule evaluation after the final scrape")
+        # A scrape's samples carry its start time but are committed when it ends: a rule evaluated
+        # in between still sees the previous scrape. Two evaluation intervals later it cannot.
+        prom.wait(lambda: min(v for _, v in prom.query(f"timestamp({ratio})").values()) >= scraped + 2.0,
+                  "a rule evaluation after the final scrape was committed")
         assert time.monotonic() - started < 50, "the 1m window no longer reaches back to the zero sample"
 
         per_tier = prom.query(ratio)
