@@ -1269,8 +1269,7 @@ class EmbeddingCache:
         over_keys = torch.empty(0, dtype=torch.int64)
         over_ds = over_keys
         if evict_h > 0:
-            excl = torch.zeros(hbm.capacity, dtype=torch.bool, device=hbm.device)
-            excl[hs[hs >= 0].to(hbm.device)] = True
+            excl = hs[hs >= 0]  # targets already in HBM stay
 
             def h_scores(slots: torch.Tensor) -> torch.Tensor:
                 return self._boosted_scores(t, hbm.keys[slots], hbm.freq[slots], hbm.last[slots], wanted)
@@ -1306,9 +1305,7 @@ class EmbeddingCache:
         room = ddr.free + d_slots_up.numel()
         victims_d = torch.empty(0, dtype=torch.int64)
         if n_required > room:
-            excl_d = torch.zeros(ddr.capacity, dtype=torch.bool)
-            excl_d[d_slots_up] = True
-            excl_d[ds2[ds2 >= 0]] = True
+            excl_d = torch.cat([d_slots_up, ds2[ds2 >= 0]])  # rows moving up, and DDR targets already there
 
             def d_scores(slots: torch.Tensor) -> torch.Tensor:
                 return self._boosted_scores(t, ddr.keys[slots], ddr.freq[slots], ddr.last[slots], wanted)

@@ -9,7 +9,7 @@ cache) serializes access with the table's lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -35,29 +35,6 @@ def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
     everything it allocates counted, stays within the budget.
     """
     return dim * torch.empty(0, dtype=dtype).element_size() + 4 * state_width + _BOOKKEEPING_BYTES + _INDEX_BYTES
-
-_touch_kernel: Any = None
-
-
-def _numba_touch() -> Any:
-    """A numba kernel adding one constant access to each slot (None without numba)."""
-    global _touch_kernel
-    if _touch_kernel is None:
-        try:
-            import numba
-        except ImportError:
-            _touch_kernel = False
-            return None
-
-        @numba.njit(nogil=True, cache=True)  # type: ignore[misc]
-        def touch(freq: Any, last: Any, slots: Any, inc: float, now: int) -> None:  # pragma: no cover - compiled
-            for i in range(slots.shape[0]):
-                s = slots[i]
-                freq[s] += inc
-                last[s] = now
-
-        _touch_kernel = touch
-    return _touch_kernel or None
 
 
 @dataclass
@@ -155,7 +132,7 @@ class MemoryTier:
 
     def find_touch(self, keys: torch.Tensor, increment: float, now: int) -> tuple[torch.Tensor, int]:
         """Slots of ``keys`` (int64 [n], -1 where absent) and how many were found; each found
-        occurrence counts one access of weight ``increment`` (as :meth:`touch_each`), in one pass."""
+        occurrence counts one access of weight ``increment`` (``freq += increment``, ``last = now``), in one pass."""
         if self.capacity == 0:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device), 0
         return self.index.find_touch(keys.to(self.device), self.freq, self.last, increment, now)
@@ -170,17 +147,6 @@ class MemoryTier:
         """Add ``amounts`` (float64 [n]) to the aged frequencies of ``slots`` (int64 [n], may repeat)."""
         self.freq.index_add_(0, slots, amounts.to(self.device))
         self.last.index_fill_(0, slots, now)
-
-    def touch_each(self, slots: torch.Tensor, increment: float, now: int) -> None:
-        """Count one access of weight ``increment`` per entry of ``slots`` (duplicates count each).
-
-        On the CPU one serial numba pass (the hot path of every all-hit lookup); elsewhere torch ops.
-        """
-        kernel = _numba_touch() if self.device.type == "cpu" else None
-        if kernel is not None:
-            kernel(self.freq.numpy(), self.last.numpy(), slots.numpy(), increment, now)
-        else:
-            self.touch(slots, torch.full(slots.shape, increment, dtype=torch.float64, device=self.device), now)
 
     def read(self, slots: torch.Tensor) -> RowBatch:
         """Copies of the rows at ``slots`` (no change to the tier)."""
@@ -279,8 +245,7 @@ class MemoryTier:
                 tier): sampled eviction keeps the cost per batch O(k), not O(capacity). Only the
                 sampled slots are tested for being occupied, unpinned and not excluded; a
                 capacity-sized mask cost 7 ms per batch at 1M rows (10-80 ms at 10M).
-            exclude: slots that must stay (e.g. rows in use by this batch): int64 slots, or a
-                bool mask [capacity].
+            exclude: int64 slots that must stay (e.g. rows in use by this batch); repeats allowed.
             generator: random source for sampling (seeded per table for repeatability).
 
         Returns:
@@ -299,19 +264,14 @@ class MemoryTier:
             # (torch.unique and torch.isin sort: several times slower on a batch this small).
             idx = torch.arange(n_cand, dtype=torch.int32, device=self.device)
             self._mark[cand] = idx
-            if exclude is not None and exclude.dtype != torch.bool:
+            if exclude is not None:
                 self._mark[exclude] = -1
             ok = (self._mark[cand] == idx) & self.occupied[cand] & (self.pins[cand] == 0)
-            if exclude is not None and exclude.dtype == torch.bool:
-                ok &= ~exclude[cand]
             cand = cand[ok]
         if cand is None or cand.numel() < k:  # small tier, or a mostly pinned one the sample missed
             evictable = self.occupied & (self.pins == 0)
             if exclude is not None:
-                if exclude.dtype == torch.bool:
-                    evictable &= ~exclude
-                else:
-                    evictable[exclude] = False
+                evictable[exclude] = False
             cand = torch.nonzero(evictable).flatten()
         if cand.numel() == 0:
             return empty.to(torch.int64), empty.to(torch.float64)
