@@ -99,6 +99,8 @@ from .servicer import SERVICE_NAME, WRITE_METHODS, Durability, EmbeddingCacheSer
 __all__ = ["RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
 
 log = logging.getLogger("embcache.server")
+# How long shutdown waits, past the grace period, for gRPC to report every call ended.
+_STOP_SLACK_SECONDS = 10.0
 
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -409,9 +411,9 @@ class RunningServer:
             # gRPC cancels what still runs after the grace period, but its "stopped" event waits for
             # every handler thread, and one can be stuck outside our code: bound that wait too. The
             # flush below still takes the table locks, so a handler inside the cache finishes first.
-            if not self.server.stop(self.grace_seconds).wait(self.grace_seconds + 10.0):
+            if not self.server.stop(self.grace_seconds).wait(self.grace_seconds + _STOP_SLACK_SECONDS):
                 log.warning("shutdown: gRPC calls still not finished %.0f s after the grace period; flushing "
-                            "anyway (their stacks follow on stderr)", 10.0)
+                            "anyway (their stacks follow on stderr)", _STOP_SLACK_SECONDS)
                 faulthandler.dump_traceback(all_threads=True)
             log.info("shutdown: calls finished after %.2f s", time.perf_counter() - t0)
             self.durability.stop()
