@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m examples.dlrm                       # defaults: ~2-4 min on 2 CPU cores, end to end
+    python -m examples.dlrm                       # defaults: about 7 min on 2 CPU cores (404 s measured), end to end
     python -m examples.dlrm --mode torch          # the same model with every table in memory
     python -m examples.dlrm --help
 
