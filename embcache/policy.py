@@ -177,13 +177,18 @@ class FrequencySketch:
     def _add_at(self, cells: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
         # Conservative update: every counter of a key becomes at least min(counters) + amount.
         # Keys of one call that share a counter take the larger of their raises (amax).
-        new = self.counts[cells].amin(dim=0).to(torch.float64) + amounts.to(self.device, torch.float64)
+        new = self._min_at(cells) + amounts.to(self.device, torch.float64)
         self.counts.scatter_reduce_(0, cells.reshape(-1), new.to(torch.float32).repeat(self.depth), reduce="amax")
-        return self.counts[cells].amin(dim=0).to(torch.float64)
+        return self._min_at(cells)
+
+    def _min_at(self, cells: torch.Tensor) -> torch.Tensor:
+        # The smallest counter of each key (float64 [n]); index_select is 4-6x faster on CPU than
+        # advanced indexing (counts[cells]).
+        return self.counts.index_select(0, cells.reshape(-1)).view(cells.shape).amin(dim=0).to(torch.float64)
 
     def estimate(self, keys: torch.Tensor) -> torch.Tensor:
         """Upper-bound estimates (float64 [n]) of the aged frequency of ``keys``."""
-        return self.counts[self._cells(keys)].amin(dim=0).to(torch.float64)
+        return self._min_at(self._cells(keys))
 
     def raise_to(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Make every counter of ``keys`` at least ``values`` (rows leaving memory keep their score)."""
