@@ -1258,6 +1258,13 @@ class EmbeddingCache:
         boost = (_WANTED_SCORE + wanted.counts[pos].to(torch.float64) * _WANTED_STEP).to(scores.device)
         return torch.where(member, boost, scores)
 
+    def _boosted_scores_of(self, t: _Table, tier: MemoryTier, wanted: Keyset | None) -> Any:
+        """A callback (for :meth:`MemoryTier.lowest`) giving :meth:`_boosted_scores` of ``tier``'s rows at ``slots``."""
+        def score(slots: torch.Tensor) -> torch.Tensor:
+            return self._boosted_scores(t, tier.keys.index_select(0, slots), tier.freq.index_select(0, slots),
+                                        tier.last.index_select(0, slots), wanted)
+        return score
+
     def _arrange(self, t: _Table, keys_h: torch.Tensor, keys_d: torch.Tensor, pool: RowBatch | None = None,
                  pin: bool = False, wanted: Keyset | None = None) -> torch.Tensor:
         """Move the rows of ``keys_h`` into HBM and of ``keys_d`` into DDR, as far as unpinned room allows.
@@ -1290,11 +1297,7 @@ class EmbeddingCache:
         over_ds = over_keys
         if evict_h > 0:
             excl = hs[hs >= 0]  # targets already in HBM stay
-
-            def h_scores(slots: torch.Tensor) -> torch.Tensor:
-                return self._boosted_scores(t, hbm.keys[slots], hbm.freq[slots], hbm.last[slots], wanted)
-
-            victims_h, _ = hbm.lowest(evict_h, h_scores, sample, excl,
+            victims_h, _ = hbm.lowest(evict_h, self._boosted_scores_of(t, hbm, wanted), sample, excl,
                                       t.generator if hbm.device == t.device else None)
             keep = up.numel() - (evict_h - victims_h.numel())
             over_keys, over_ds = keys_h[up[keep:]], ds_up[keep:]
@@ -1326,11 +1329,7 @@ class EmbeddingCache:
         victims_d = torch.empty(0, dtype=torch.int64)
         if n_required > room:
             excl_d = torch.cat([d_slots_up, ds2[ds2 >= 0]])  # rows moving up, and DDR targets already there
-
-            def d_scores(slots: torch.Tensor) -> torch.Tensor:
-                return self._boosted_scores(t, ddr.keys[slots], ddr.freq[slots], ddr.last[slots], wanted)
-
-            victims_d, _ = ddr.lowest(n_required - room, d_scores, sample, excl_d)
+            victims_d, _ = ddr.lowest(n_required - room, self._boosted_scores_of(t, ddr, wanted), sample, excl_d)
             room += victims_d.numel()
         n_in = min(room, len(cands))
         into_d = cands.select(torch.arange(n_in))

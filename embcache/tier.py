@@ -279,7 +279,7 @@ class MemoryTier:
         if cand is None or cand.numel() < k:  # small tier, or a mostly pinned one the sample missed
             evictable = self.occupied & (self.pins == 0)
             if exclude is not None:
-                evictable[exclude] = False
+                evictable.index_fill_(0, exclude, False)
             cand = torch.nonzero(evictable).flatten()
         if cand.numel() == 0:
             return empty.to(torch.int64), empty.to(torch.float64)
