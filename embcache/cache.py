@@ -509,26 +509,12 @@ class EmbeddingCache:
             self._table(table)  # closed while waiting for the lock?
             t0 = time.perf_counter()
             now, inc = t.clock.now, t.clock.increment()
-            # probe, count the hits and their accesses in one pass
-            slots, n_hit = t.hbm.find_touch(keys, inc, now)
-            # A fused numba probe-and-copy kernel was tried and was 1.8-3x slower than probe +
-            # index_select: torch copies rows with wide SIMD on all cores.
-            if n_hit == n:  # all hot: one gather straight into the output
-                if t.hbm.weights.dtype == torch.float32:
-                    torch.index_select(t.hbm.weights, 0, slots, out=out)
-                else:
-                    out.copy_(t.hbm.weights[slots])
-                t.stats.hbm.seconds += time.perf_counter() - t0
-            else:
-                # index_select / index_copy_: several times faster on CPU than out[pos] = ... (index_put_)
-                hit = slots >= 0
-                hit_pos = torch.nonzero(hit).flatten()
-                if n_hit:
-                    hs = slots.index_select(0, hit_pos)
-                    out.index_copy_(0, hit_pos, t.hbm.weights.index_select(0, hs).to(torch.float32))
-                t1 = time.perf_counter()
-                t.stats.hbm.seconds += t1 - t0
-                miss_pos = torch.nonzero(~hit).flatten()
+            # probe, count the hits and their accesses, copy their rows into out: one pass
+            slots, n_hit = t.hbm.find_touch_gather(keys, inc, now, out)
+            t1 = time.perf_counter()
+            t.stats.hbm.seconds += t1 - t0
+            if n_hit < n:
+                miss_pos = torch.nonzero(slots < 0).flatten()
                 ukeys, inverse, counts = torch.unique(keys.index_select(0, miss_pos), return_inverse=True,
                                                       return_counts=True)
                 values = self._lookup_below_hbm(t, ukeys, counts, inc, now)

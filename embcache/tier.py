@@ -144,6 +144,15 @@ class MemoryTier:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device), 0
         return self.index.find_touch(keys.to(self.device), self.freq, self.last, increment, now)
 
+    def find_touch_gather(self, keys: torch.Tensor, increment: float, now: int,
+                          out: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """:meth:`find_touch`, and the weights of every found key copied into ``out`` (float32 [n, dim]
+        on this tier's device; the rows of absent keys are left as they were)."""
+        if self.capacity == 0:
+            return self.find_touch(keys, increment, now)
+        return self.index.find_touch_gather(keys.to(self.device), self.freq, self.last, increment, now,
+                                            self.weights, out)
+
     def fused_scratch(self) -> FusedScratch:
         """Scratch buffers of the fused update kernel for this tier (made on first use)."""
         if self._fused_scratch is None:

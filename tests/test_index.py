@@ -374,3 +374,37 @@ def test_find_touch_equals_find_then_touch(n: int) -> None:
         assert torch.equal(last, torch.where(counts > 0, 7, 0))
         want_slots = slots if want_slots is None else want_slots
         assert torch.equal(slots, want_slots)
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # NumbaIndex: the compiled pass, and probe-then-gather
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: the gather in torch
+@pytest.mark.parametrize("n", [1000, 40_000])  # one pass, and the parallel find + serial touch
+def test_find_touch_gather_copies_found_rows_and_counts_like_find_touch(n: int, dtype: torch.dtype,
+                                                                         threads: int) -> None:
+    rng = np.random.default_rng(4)
+    stored = torch.from_numpy(rng.choice(2**62, size=5000, replace=False))
+    rows = torch.randn(5000, 13, generator=torch.Generator().manual_seed(1)).to(dtype)  # 52-byte rows straddle lines
+    keys = torch.cat([stored[torch.from_numpy(rng.integers(0, 5000, n))],
+                      torch.from_numpy(rng.integers(-(2**62), 0, n // 10))])  # repeats and misses
+    keys = keys[torch.randperm(keys.numel(), generator=torch.Generator().manual_seed(2))]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for index in [make_index(5000, "cpu"), TorchIndex(5000, "cpu")]:
+            index.insert(stored, torch.arange(5000))
+            counters = [(torch.zeros(5000, dtype=torch.float64), torch.zeros(5000, dtype=torch.int64))
+                        for _ in range(2)]
+            want_slots, want_hits = index.find_touch(keys, *counters[0], 0.5, 7)
+            out = torch.full((keys.numel(), 13), -3.0)
+            slots, hits = index.find_touch_gather(keys, *counters[1], 0.5, 7, rows, out)
+            assert torch.equal(slots, want_slots) and hits == want_hits == n
+            assert torch.equal(counters[1][0], counters[0][0]) and torch.equal(counters[1][1], counters[0][1])
+            found = slots >= 0
+            assert torch.equal(out[found], rows[slots[found]].float())
+            assert bool((out[~found] == -3.0).all())  # a miss's row is left as it was
+            every = stored[:300]  # all found: one gather straight into out
+            out = torch.empty(300, 13)
+            assert index.find_touch_gather(every, *counters[1], 0.5, 8, rows, out)[1] == 300
+            assert torch.equal(out, rows[:300].float())
+    finally:
+        torch.set_num_threads(before)
