@@ -511,8 +511,7 @@ class EmbeddingCache:
             now, inc = t.clock.now, t.clock.increment()
             # probe, count the hits and their accesses, copy their rows into out: one pass
             slots, n_hit = t.hbm.find_touch_gather(keys, inc, now, out)
-            t1 = time.perf_counter()
-            t.stats.hbm.seconds += t1 - t0
+            t.stats.hbm.seconds += time.perf_counter() - t0
             if n_hit < n:
                 miss_pos = torch.nonzero(slots < 0).flatten()
                 ukeys, inverse, counts = torch.unique(keys.index_select(0, miss_pos), return_inverse=True,
