@@ -11,9 +11,13 @@ lowest-scored HBM rows whose score they beat (admission). Displaced HBM rows and
 candidates compete the same way for DDR; what loses there leaves memory. All of this is
 planned on scores first, then dirty rows leaving memory are written to the store in one atomic
 batch, and only then is memory changed: a failing write (e.g. a full disk) changes nothing.
+Planning needs the missed rows' keys and counts, not their values: a lookup that misses memory
+for many keys reads them on a reader thread while it plans, and waits for them only to commit
+(a failed read fails the lookup before anything moves).
 
 Concurrency model. One re-entrant lock per table serializes that table's operations, store
-I/O included; different tables proceed in parallel (torch, numba and the store bindings release
+I/O included (a lookup's overlapped read runs on a reader thread but is joined before the lock
+is released); different tables proceed in parallel (torch, numba and the store bindings release
 the GIL in their heavy parts). Whole-cache operations (flush, checkpoint, close) take every
 table lock in name order. The store itself is shared and thread-safe.
 """
@@ -33,7 +37,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -100,10 +104,26 @@ def _close_open_caches() -> None:
 
 # the fewest victims _admit asks a tier for at first
 _MIN_VICTIMS = 64
+# A lookup that misses memory for at least this many distinct keys reads them from the store on a
+# reader thread while it plans their placement (see _lookup_below_hbm); fewer are read inline,
+# where a thread hand-off (~50-100 us) would cost more than the overlap saves.
+_OVERLAP_READ_MIN = 64
+_READER_THREADS = 4
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass
+class _Read:
+    """Rows read from the store (or created where absent): what a reader thread hands back."""
+
+    found: np.ndarray  # bool [n]: the store had the row
+    weights: torch.Tensor
+    state: torch.Tensor
+    fmask: torch.Tensor  # ``found`` as a tensor
+    seconds: float  # time in the store
 
 
 @dataclass
@@ -245,6 +265,8 @@ class EmbeddingCache:
             self._device = config.torch_device
             self._policy = make_policy(config.policy, config.admission)
             self._worker: ThreadPoolExecutor | None = None
+            self._readers: ThreadPoolExecutor | None = None  # store reads overlapped with placement
+            self._reader_lock = threading.Lock()
             self._prefetches: list[PrefetchFuture] = []  # pass prefetches the next begin_pass adopts
             # unfinished prefetches: when each was submitted (monotonic seconds) and its tables
             self._live: dict[PrefetchFuture, tuple[float, frozenset[str]]] = {}
@@ -400,6 +422,9 @@ class EmbeddingCache:
                 for t in self._tables.values():
                     if t.mrc is not None:
                         t.mrc.close()
+                if self._readers is not None:  # idle: every read is joined under its table's lock
+                    self._readers.shutdown(wait=True)
+                    self._readers = None
                 self._release()
 
     def _stop_worker(self) -> None:
@@ -557,17 +582,46 @@ class EmbeddingCache:
             t.stats.ddr.hits += int(d_counts.sum())
         t.stats.ddr.seconds += time.perf_counter() - t1
         s_pos = torch.nonzero(~in_ddr).flatten()
-        staged = self._stage(t, cpu_keys.index_select(0, s_pos), cpu_counts.index_select(0, s_pos), inc, now)
-        values.index_copy_(0, s_pos, staged.weights.to(torch.float32))
+        s_keys, s_counts = cpu_keys.index_select(0, s_pos), cpu_counts.index_select(0, s_pos)
+        complete: Callable[[], None] | None = None
+        if s_keys.numel() >= _OVERLAP_READ_MIN:
+            # The store read runs on a reader thread (the store bindings release the GIL) while
+            # this one plans the placement, which needs the rows' keys and counts but not their
+            # values; _place waits for the read only to commit. (Before: read, then plan.)
+            read = self._reader_pool().submit(self._read_decode, t, s_keys)
+            staged = self._stage_meta(t, s_keys, s_counts, inc, now, torch.empty(s_keys.numel(), 0),
+                                      torch.empty(s_keys.numel(), 0))
+            done = False
+
+            def finish() -> None:  # idempotent; a failed read raises its StoreError every time
+                nonlocal done
+                if not done:
+                    self._finish_stage(t, staged, s_counts, read.result())
+                    done = True
+            complete = finish
+        else:
+            staged = self._stage(t, s_keys, s_counts, inc, now)
+        failed: StoreError | None = None
         try:
-            self._place(t, d_slots, staged)
+            self._place(t, d_slots, staged, complete)
         except StoreError as exc:
+            failed = exc
+        if complete is not None:
+            complete()  # a failed read raises here: the lookup fails, and no row moved
+        if failed is not None:
             # A lookup's rows are already served; only their caching failed (e.g. a full disk
             # refused the write-back of a displaced dirty row). Nothing moved: keep serving.
             t.stats.placement_errors += 1
             if t.stats.placement_errors == 1:
-                warnings.warn(f"embcache: table {t.cfg.name!r}: rows could not be cached: {exc}", stacklevel=3)
+                warnings.warn(f"embcache: table {t.cfg.name!r}: rows could not be cached: {failed}", stacklevel=3)
+        values.index_copy_(0, s_pos, staged.weights.to(torch.float32))
         return values.to(self._device)
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        with self._reader_lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(_READER_THREADS, thread_name_prefix="embcache-read")
+            return self._readers
 
     def _stage(self, t: _Table, keys: torch.Tensor, counts: torch.Tensor | None, inc: float,
                now: int) -> RowBatch:
@@ -575,23 +629,45 @@ class EmbeddingCache:
 
         With ``counts``, the accesses are counted (sketch and ssd hits); without, nothing is counted.
         """
+        if keys.numel() == 0:
+            return self._stage_meta(t, keys, None, inc, now, torch.empty(0, t.cfg.dim, dtype=t.cfg.torch_dtype),
+                                    torch.empty(0, t.state_width, dtype=torch.float32))
+        read = self._read_decode(t, keys)
+        rows = self._stage_meta(t, keys, counts, inc, now, read.weights, read.state)
+        self._finish_stage(t, rows, counts, read)
+        return rows
+
+    @staticmethod
+    def _stage_meta(t: _Table, keys: torch.Tensor, counts: torch.Tensor | None, inc: float, now: int,
+                    weights: torch.Tensor, state: torch.Tensor) -> RowBatch:
+        """Clean rows of ``keys`` with ``weights`` and ``state``, their frequencies from the sketch
+        (with ``counts``, this access is added first)."""
         n = keys.numel()
-        if n:
-            found, records = self._read_store(t, keys)
-            weights, state, fmask = self._decode_or_create(t, keys, found, records)
-        else:
-            weights = torch.empty(0, t.cfg.dim, dtype=t.cfg.torch_dtype)
-            state = torch.empty(0, t.state_width, dtype=torch.float32)
-            fmask = torch.zeros(0, dtype=torch.bool)
         if n and counts is not None:
             freq = t.sketch.add_and_estimate(keys, counts.to(torch.float64) * inc)
-            n_found = int(counts[fmask].sum())
-            t.stats.ssd.hits += n_found
-            t.stats.ssd.created += int(counts.sum()) - n_found
         else:
             freq = t.sketch.estimate(keys) if n else torch.empty(0, dtype=torch.float64)
         return RowBatch(keys, weights, state, freq, torch.full((n,), now, dtype=torch.int64),
                         torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int32))
+
+    def _finish_stage(self, t: _Table, rows: RowBatch, counts: torch.Tensor | None, read: _Read) -> None:
+        """Give staged ``rows`` the values ``read`` and count the read (and, with ``counts``, the hits)."""
+        rows.weights, rows.state = read.weights, read.state
+        self._count_read(t, read.found, read.seconds)
+        if counts is not None:
+            n_found = int(counts[read.fmask].sum())
+            t.stats.ssd.hits += n_found
+            t.stats.ssd.created += int(counts.sum()) - n_found
+
+    def _read_decode(self, t: _Table, keys: torch.Tensor) -> _Read:
+        """Read (unique, CPU, non-empty) ``keys`` from the store and decode or create their rows.
+
+        Touches no cache state (not even stats), so a reader thread may run it beside the
+        thread that holds the table's lock.
+        """
+        found, records, seconds = self._get_records(t, keys)
+        weights, state, fmask = self._decode_or_create(t, keys, found, records)
+        return _Read(found, weights, state, fmask, seconds)
 
     @staticmethod
     def _decode_or_create(t: _Table, keys: torch.Tensor, found: np.ndarray,
@@ -621,18 +697,26 @@ class EmbeddingCache:
                                                     t.cfg.initial_accumulator_value))
         return weights, state, fmask
 
-    def _read_store(self, t: _Table, keys: torch.Tensor) -> Any:
+    def _read_store(self, t: _Table, keys: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        found, records, seconds = self._get_records(t, keys)
+        self._count_read(t, found, seconds)
+        return found, records
+
+    def _get_records(self, t: _Table, keys: torch.Tensor) -> tuple[np.ndarray, np.ndarray, float]:
         assert self._store is not None
         t0 = time.perf_counter()
         found, records = self._store.get_many(t.cfg.name, keys.numpy())
+        return np.asarray(found, dtype=bool), records, time.perf_counter() - t0
+
+    @staticmethod
+    def _count_read(t: _Table, found: np.ndarray, seconds: float) -> None:
         st = t.stats.ssd
+        n_found = int(found.sum())
         st.reads += 1
-        st.read_rows += int(found.sum())
-        st.read_bytes += int(found.sum()) * t.record_bytes
-        dt = time.perf_counter() - t0
-        st.seconds += dt
-        st.read_latency.observe(dt)
-        return np.asarray(found, dtype=bool), records
+        st.read_rows += n_found
+        st.read_bytes += n_found * t.record_bytes
+        st.seconds += seconds
+        st.read_latency.observe(seconds)
 
     def _write_store(self, t: _Table, rows: RowBatch) -> None:
         if len(rows) == 0:
@@ -695,19 +779,26 @@ class EmbeddingCache:
             victims = victims[:swaps]
         return order[:free + swaps], victims
 
-    def _place(self, t: _Table, ddr_cands: torch.Tensor, staged: RowBatch) -> None:
+    def _place(self, t: _Table, ddr_cands: torch.Tensor, staged: RowBatch,
+               complete: Callable[[], None] | None = None) -> None:
         """Move rows between tiers after an access (see the module docstring).
 
         Args:
             ddr_cands: DDR slots (unique) of rows just accessed: candidates for promotion to HBM.
             staged: rows from below memory (CPU), candidates for HBM, then DDR.
+            complete: when given, ``staged`` holds clean rows whose weights and state are still
+                being read; planning uses only their keys and counts, and ``complete()`` fills
+                the values in before anything moves.
 
         Raises:
-            StoreError: writing back rows that leave memory failed; nothing changed.
+            StoreError: writing back rows that leave memory (or completing ``staged``) failed;
+                nothing moved.
         """
         n_d = ddr_cands.numel()
         if n_d == 0 and len(staged) == 0:
             return
+        if complete is not None and bool(staged.dirty.any()):
+            raise RuntimeError("rows still being read cannot be dirty")  # a bug in the caller
         now = t.clock.now
         d_scores = t.policy.score(t.ddr.freq[ddr_cands], t.ddr.last[ddr_cands], now)
         s_scores = t.policy.score(staged.freq, staged.last, now)
@@ -718,33 +809,39 @@ class EmbeddingCache:
         promote_slots = ddr_cands[from_ddr]
         staged_left = torch.ones(len(staged), dtype=torch.bool)
         staged_left[from_staged] = False
-        rest = staged.select(staged_left)
-        # 2. DDR: rows displaced from HBM and staged rows HBM did not take
+        rest = torch.nonzero(staged_left).flatten()  # staged rows HBM did not take
+        # 2. DDR: rows displaced from HBM and staged rows HBM did not take, ranked on their counts
         hv_rows = t.hbm.read(victims_h).to(torch.device("cpu"))
-        cands = RowBatch.cat([hv_rows, rest])
-        c_scores = t.policy.score(cands.freq, cands.last, now)
+        n_hv = len(hv_rows)
+        c_scores = t.policy.score(torch.cat([hv_rows.freq, staged.freq.index_select(0, rest)]),
+                                  torch.cat([hv_rows.last, staged.last.index_select(0, rest)]), now)
         # rows leaving DDR for HBM make room but are not victims (slots, not a capacity-sized mask)
         exclude = promote_slots if promote_slots.numel() else None
         admitted_d, victims_d = self._admit(t, t.ddr, c_scores, promote_slots.numel(), exclude)
-        cand_in = torch.zeros(len(cands), dtype=torch.bool)
+        cand_in = torch.zeros(n_hv + rest.numel(), dtype=torch.bool)
         cand_in[admitted_d] = True
+        hv_in, rest_in = cand_in[:n_hv], cand_in[n_hv:]
         dv_rows = t.ddr.read(victims_d)
-        leaving = RowBatch.cat([dv_rows, cands.select(~cand_in)])
+        hv_out, s_out = hv_rows.select(~hv_in), rest[~rest_in]
         # 3. persist what leaves memory dirty; a failure here leaves everything as it was
+        out = [dv_rows, hv_out] if complete is not None else [dv_rows, hv_out, staged.select(s_out)]
+        leaving = RowBatch.cat(out)
         self._write_store(t, leaving.select(leaving.dirty))
+        if complete is not None:
+            complete()  # the staged rows' values: the read ran while the lines above planned
         # 4. commit the moves
         p_rows = t.ddr.read(promote_slots)
         t.hbm.remove(victims_h)
         t.ddr.remove(torch.cat([promote_slots, victims_d]))
         t.hbm.insert(RowBatch.cat([p_rows, staged.select(from_staged)]))
-        t.ddr.insert(cands.select(cand_in))
-        if len(leaving):
-            t.sketch.raise_to(leaving.keys, leaving.freq)
-        n_hv = len(hv_rows)
+        t.ddr.insert(RowBatch.cat([hv_rows.select(hv_in), staged.select(rest[rest_in])]))
+        out_keys = torch.cat([dv_rows.keys, hv_out.keys, staged.keys.index_select(0, s_out)])
+        if out_keys.numel():
+            t.sketch.raise_to(out_keys, torch.cat([dv_rows.freq, hv_out.freq, staged.freq.index_select(0, s_out)]))
         t.stats.hbm.promotions += len(admitted_h)
         t.stats.hbm.demotions += n_hv
-        t.stats.hbm.write_backs += int(hv_rows.dirty[~cand_in[:n_hv]].sum()) if n_hv else 0
-        t.stats.ddr.promotions += int(cand_in[n_hv:].sum())
+        t.stats.hbm.write_backs += int(hv_out.dirty.sum())
+        t.stats.ddr.promotions += int(rest_in.sum())
         t.stats.ddr.demotions += len(dv_rows)
         t.stats.ddr.write_backs += int(dv_rows.dirty.sum())
 

@@ -27,6 +27,7 @@ from embcache import (
     InvalidRowsError,
     NonFiniteGradientError,
     PassStateError,
+    StoreError,
     StoreFullError,
     StoreLockedError,
     TableConfig,
@@ -551,3 +552,35 @@ def test_stats_report_the_age_of_an_unfinished_prefetch(tmp_path: Any, monkeypat
     fut.result(timeout=30)
     assert cache.stats()["a"]["prefetch"]["running_seconds"] == 0.0
     cache.close()
+
+
+def test_failed_overlapped_store_read_fails_the_lookup_and_moves_nothing(make_cache: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A lookup missing memory for >= _OVERLAP_READ_MIN keys reads them on a reader thread while it
+    # plans (and writes back the dirty rows it would displace). When that read fails, the lookup
+    # raises the store's error, no row changes tier, and every update is still there.
+    cfg = TableConfig(name="t", dim=8, optimizer="sgd", lr=1.0, seed=3)
+    cache = make_cache(hbm_rows=4, ddr_rows=8, tables=[cfg])
+    keys = torch.arange(300)
+    cache.apply_gradients("t", keys, torch.ones(300, 8))  # the last 12 stay in memory, dirty
+    want = expected_init(cfg, keys) - 1.0
+    resident = {tier: set(cache.resident_keys("t", tier).tolist()) for tier in ("hbm", "ddr")}
+    cold = keys[~torch.isin(keys, torch.tensor(sorted(resident["hbm"] | resident["ddr"])))][:100]
+    store = cache._store
+    assert store is not None
+    real, threads = store.get_many, []
+
+    def failing(table: str, k: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        raise StoreError("injected read failure")
+
+    monkeypatch.setattr(store, "get_many", failing)
+    with pytest.raises(StoreError, match="injected read failure"):
+        cache.lookup("t", cold.repeat(3))  # hot enough to displace every resident row
+    assert threads and threads[0].startswith("embcache-read")
+    assert {tier: set(cache.resident_keys("t", tier).tolist()) for tier in ("hbm", "ddr")} == resident
+    assert_tiers_consistent(cache)
+    monkeypatch.setattr(store, "get_many", real)
+    torch.testing.assert_close(cache.lookup("t", cold.repeat(3)), want[cold].repeat(3, 1), rtol=0, atol=0)
+    torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
+    assert_tiers_consistent(cache)
