@@ -108,6 +108,9 @@ _MIN_VICTIMS = 64
 # reader thread while it plans their placement (see _lookup_below_hbm); fewer are read inline,
 # where a thread hand-off (~50-100 us) would cost more than the overlap saves.
 _OVERLAP_READ_MIN = 64
+# A lookup keeps the rows it read but did not cache for the update that usually follows, up to this
+# many (at most _RECENT_MAX_ROWS x record bytes of memory per table, until the next lookup or update).
+_RECENT_MAX_ROWS = 65536
 _READER_THREADS = 4
 
 
@@ -196,6 +199,12 @@ class _Table:
         self.stats = _TableStats()
         # keys written to the store while a prefetch reads it outside the lock (see _prefetch_table)
         self.write_log: list[torch.Tensor] = []
+        # Store writes of this table so far, and the rows the last lookup read from the store but
+        # did not cache, as of write ``recent_writes``: a training step's update of the same keys
+        # takes them from here instead of reading them again (see _stage_for_update).
+        self.store_writes = 0
+        self.recent: RowBatch | None = None
+        self.recent_writes = -1
         self.log_watchers = 0
         self.mrc: MissRatioEstimator | None = None
         self.reset_mrc(config)
@@ -602,12 +611,15 @@ class EmbeddingCache:
         else:
             staged = self._stage(t, s_keys, s_counts, inc, now)
         failed: StoreError | None = None
+        t.recent = None
         try:
-            self._place(t, d_slots, staged, complete)
+            uncached = self._place(t, d_slots, staged, complete)
         except StoreError as exc:
             failed = exc
         if complete is not None:
             complete()  # a failed read raises here: the lookup fails, and no row moved
+        if failed is None and 0 < len(uncached) <= _RECENT_MAX_ROWS:
+            t.recent, t.recent_writes = uncached, t.store_writes
         if failed is not None:
             # A lookup's rows are already served; only their caching failed (e.g. a full disk
             # refused the write-back of a displaced dirty row). Nothing moved: keep serving.
@@ -724,6 +736,7 @@ class EmbeddingCache:
         assert self._store is not None
         t0 = time.perf_counter()
         keys, records = t.encode(rows)
+        t.store_writes += 1  # before the write: even a failed one may have changed what a cached read saw
         self._store.put_many(t.cfg.name, keys, records)
         if t.log_watchers:  # a prefetch is reading the store without the lock: tell it what changed
             t.write_log.append(torch.from_numpy(keys.copy()))
@@ -780,7 +793,7 @@ class EmbeddingCache:
         return order[:free + swaps], victims
 
     def _place(self, t: _Table, ddr_cands: torch.Tensor, staged: RowBatch,
-               complete: Callable[[], None] | None = None) -> None:
+               complete: Callable[[], None] | None = None) -> RowBatch:
         """Move rows between tiers after an access (see the module docstring).
 
         Args:
@@ -790,13 +803,16 @@ class EmbeddingCache:
                 being read; planning uses only their keys and counts, and ``complete()`` fills
                 the values in before anything moves.
 
+        Returns:
+            The staged rows that stayed out of memory (copies).
+
         Raises:
             StoreError: writing back rows that leave memory (or completing ``staged``) failed;
                 nothing moved.
         """
         n_d = ddr_cands.numel()
         if n_d == 0 and len(staged) == 0:
-            return
+            return staged
         if complete is not None and bool(staged.dirty.any()):
             raise RuntimeError("rows still being read cannot be dirty")  # a bug in the caller
         now = t.clock.now
@@ -844,6 +860,7 @@ class EmbeddingCache:
         t.stats.ddr.promotions += int(rest_in.sum())
         t.stats.ddr.demotions += len(dv_rows)
         t.stats.ddr.write_backs += int(dv_rows.dirty.sum())
+        return staged.select(s_out)
 
     # ------------------------------------------------------------------ updates
     def apply_gradients(self, table: str, keys: Any, grads: torch.Tensor) -> None:
@@ -981,9 +998,9 @@ class EmbeddingCache:
         skeys = rest_keys[~in_d]
         if skeys.numel() == 0:  # every row was in memory: nothing to stage or place
             return
-        now, inc = t.clock.now, t.clock.increment()
+        now = t.clock.now
         if read_store:
-            staged = self._stage(t, skeys, None, inc, now)
+            staged = self._stage_for_update(t, skeys, now)
         else:
             n = skeys.numel()
             staged = RowBatch(skeys, torch.empty(n, t.cfg.dim, dtype=t.cfg.torch_dtype),
@@ -1440,6 +1457,19 @@ class EmbeddingCache:
         if pin:
             self._pin(t, placed, 1)
         return placed
+
+    def _stage_for_update(self, t: _Table, keys: torch.Tensor, now: int) -> RowBatch:
+        """Rows of non-resident ``keys`` about to change: from the last lookup's uncached rows where
+        the store has not been written since (a training step updates the rows it just looked up),
+        else staged. The kept rows serve this one update and are dropped."""
+        recent, t.recent = t.recent, None
+        if recent is None or t.recent_writes != t.store_writes:
+            return self._stage(t, keys, None, 0.0, now)
+        n = len(recent)
+        pool = RowBatch(recent.keys, recent.weights, recent.state, t.sketch.estimate(recent.keys),
+                        torch.full((n,), now, dtype=torch.int64), torch.zeros(n, dtype=torch.bool),
+                        torch.zeros(n, dtype=torch.int32))
+        return self._pool_or_stage(t, keys, pool, now)
 
     def _pool_or_stage(self, t: _Table, keys: torch.Tensor, pool: RowBatch | None, now: int) -> RowBatch:
         """Rows of non-resident ``keys`` (in order): from ``pool`` where it has them, else staged (not counted)."""

@@ -584,3 +584,36 @@ def test_failed_overlapped_store_read_fails_the_lookup_and_moves_nothing(make_ca
     torch.testing.assert_close(cache.lookup("t", cold.repeat(3)), want[cold].repeat(3, 1), rtol=0, atol=0)
     torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
     assert_tiers_consistent(cache)
+
+
+def test_update_after_lookup_reuses_the_rows_the_lookup_read(make_cache: Any) -> None:
+    # A training step looks rows up, then updates them. Rows the lookup read from the store but
+    # did not cache are kept for that update, which then reads nothing; a store write in between
+    # (here of assigned rows) voids them, and the update reads the store again.
+    cfg = TableConfig(name="t", dim=8, optimizer="sgd", lr=1.0, seed=3)
+    cache = make_cache(hbm_rows=4, ddr_rows=8, tables=[cfg])
+    keys = torch.arange(200)
+    cache.apply_gradients("t", keys, torch.ones(200, 8))
+    cache.flush()
+    want = expected_init(cfg, keys) - 1.0
+
+    def store_rows_read() -> int:
+        return int(cache.stats()["t"]["ssd"]["read_rows"])
+
+    batch = torch.arange(100, 200)
+    torch.testing.assert_close(cache.lookup("t", batch), want[100:], rtol=0, atol=0)
+    before = store_rows_read()
+    cache.apply_gradients("t", batch, torch.ones(100, 8))
+    want[100:] -= 1.0
+    assert store_rows_read() == before
+    torch.testing.assert_close(cache.lookup("t", batch), want[100:], rtol=0, atol=0)
+
+    cache.lookup("t", batch)
+    cache.assign("t", torch.arange(4), torch.full((4, 8), 5.0))
+    want[:4] = 5.0
+    cache.flush()  # the assigned rows reach the store here at the latest: what the lookup kept is void
+    before = store_rows_read()
+    cache.apply_gradients("t", batch, torch.ones(100, 8))
+    want[100:] -= 1.0
+    assert store_rows_read() > before
+    torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
