@@ -486,3 +486,26 @@ def test_close_during_prefetch_does_not_hang_or_lose_updates(make_cache: Any, tm
     c2.close()
     assert torch.isfinite(rows).all()
     assert not torch.equal(rows[0], rows[1])
+
+
+def test_background_jobs_return_freed_memory_at_most_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each staging or write-back job asks for a heap trim; trimming after every job made the
+    # next one fault its buffers in again, so trims are spaced out, and a request inside the
+    # interval is served when the interval ends (an idle process still returns its memory).
+    trims: list[float] = []
+    served = threading.Event()
+
+    def trim() -> None:
+        trims.append(1.0)
+        if len(trims) == 2:
+            served.set()
+
+    monkeypatch.setattr(cache_mod, "_malloc_trim", trim)
+    monkeypatch.setattr(cache_mod, "_TRIM_INTERVAL", 0.3)
+    monkeypatch.setattr(cache_mod, "_TRIM_STATE", {"last": float("-inf"), "timer": None})
+    for _ in range(5):
+        cache_mod._trim_heap()
+    assert len(trims) == 1  # the first at once, the other four folded into one deferred trim
+    assert served.wait(5.0)
+    assert len(trims) == 2
+    assert cache_mod._TRIM_STATE["timer"] is None
