@@ -1183,9 +1183,7 @@ class EmbeddingCache:
                         weights[stale], state[stale] = w2, s2
                 keys = chunk[keep]
                 n = keys.numel()
-                rows = RowBatch(keys, weights[keep], state[keep], t.sketch.estimate(keys) if n else
-                                torch.empty(0, dtype=torch.float64), torch.full((n,), t.clock.now, dtype=torch.int64),
-                                torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int32))
+                rows = self._stage_meta(t, keys, None, 0.0, t.clock.now, weights[keep], state[keep])
                 # free HBM first, then DDR over unpinned rows, then HBM over unpinned rows
                 a = min(n, t.hbm.free)
                 b = min(n - a, t.ddr.capacity - t.ddr.pinned_count())
@@ -1465,10 +1463,7 @@ class EmbeddingCache:
         recent, t.recent = t.recent, None
         if recent is None or t.recent_writes != t.store_writes:
             return self._stage(t, keys, None, 0.0, now)
-        n = len(recent)
-        pool = RowBatch(recent.keys, recent.weights, recent.state, t.sketch.estimate(recent.keys),
-                        torch.full((n,), now, dtype=torch.int64), torch.zeros(n, dtype=torch.bool),
-                        torch.zeros(n, dtype=torch.int32))
+        pool = self._stage_meta(t, recent.keys, None, 0.0, now, recent.weights, recent.state)
         return self._pool_or_stage(t, keys, pool, now)
 
     def _pool_or_stage(self, t: _Table, keys: torch.Tensor, pool: RowBatch | None, now: int) -> RowBatch:
