@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from .fused import FusedScratch
+from .hostmem import host_zeros
 from .index import make_index
 from .types import Tier
 
@@ -101,11 +102,19 @@ class MemoryTier:
         self.dim = dim
         self.device = device
         pin = pin and device.type == "cpu" and torch.cuda.is_available()
-        self.weights = torch.zeros(capacity, dim, dtype=dtype, device=device, pin_memory=pin)
-        self.state = torch.zeros(capacity, state_width, dtype=torch.float32, device=device, pin_memory=pin)
-        self.freq = torch.zeros(capacity, dtype=torch.float64, device=device)
-        self.last = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self.keys = torch.zeros(capacity, dtype=torch.int64, device=device)
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            # The arrays that lookups and evictions read at random: on huge pages in host memory
+            # (see embcache/hostmem.py); pinned (DDR with CUDA present) or on a GPU as torch makes them.
+            if device.type == "cpu" and not pin:
+                return host_zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+
+        self.weights = zeros((capacity, dim), dtype)
+        self.state = zeros((capacity, state_width), torch.float32)
+        self.freq = zeros((capacity,), torch.float64)
+        self.last = zeros((capacity,), torch.int64)
+        self.keys = zeros((capacity,), torch.int64)
         self.occupied = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.pins = torch.zeros(capacity, dtype=torch.int32, device=device)  # holders keeping a row resident

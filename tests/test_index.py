@@ -378,7 +378,8 @@ def test_find_touch_equals_find_then_touch(n: int) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2])  # NumbaIndex: the compiled pass, and probe-then-gather
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: the gather in torch
-@pytest.mark.parametrize("n", [1000, 40_000])  # one pass, and the parallel find + serial touch
+# 3 and 20: shorter than the compiled pass's pipeline; 1000: one pass; 40,000: parallel find + serial touch
+@pytest.mark.parametrize("n", [3, 20, 1000, 40_000])
 def test_find_touch_gather_copies_found_rows_and_counts_like_find_touch(n: int, dtype: torch.dtype,
                                                                          threads: int) -> None:
     rng = np.random.default_rng(4)

@@ -1,0 +1,58 @@
+"""Host memory for the big arrays that are read at random: on transparent huge pages where Linux offers them.
+
+A lookup reads a tier's rows, counters and key-index entries at random places in arrays far
+larger than the TLB covers with 4 KiB pages, so on ordinary memory most reads miss the TLB as
+well as the caches and wait for a page walk too. On 2 MiB pages they do not. Measured on this
+2-core VM (585K rows, Zipf keys, one thread, median of 11 runs):
+
+- key index ``find`` on a 32 MiB table: 10-30% more finds per second;
+- gathering 8,192 rows of dim 64 at random: 0.447 -> 0.385 ms (``index_select``: 0.521 -> 0.461 ms);
+- the lookup's probe + count + copy pass: 0.82 -> 0.71 ms per 8,192 keys at dim 64, and
+  10.1 -> 7.9 ms per 65,536 keys at dim 128 (with the pass's rolling prefetch, ``index.py``).
+
+Linux gives transparent huge pages to memory marked with ``madvise(MADV_HUGEPAGE)`` (the usual
+``/sys/kernel/mm/transparent_hugepage/enabled`` setting is ``madvise``). Arrays under 4 MiB, other
+systems, and a refused ``madvise`` get ordinary zeroed memory: huge pages are only ever a speed-up.
+The memory is private and anonymous: it is zero-filled, committed page by page as it is first
+written (a tier's rows cost memory as they fill, not when the tier is made), and returned when the
+last array or tensor viewing it is freed.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import torch
+
+__all__ = ["HUGE_PAGE", "host_zeros", "huge_page_zeros"]
+
+HUGE_PAGE = 1 << 21
+_MIN_BYTES = 2 * HUGE_PAGE  # below this a huge page would mostly be padding
+
+
+def huge_page_zeros(nbytes: int) -> np.ndarray:
+    """A zeroed, writable uint8 array of ``nbytes``, 2 MiB-aligned on transparent huge pages where possible."""
+    if nbytes < _MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.zeros(nbytes, dtype=np.uint8)
+    try:
+        # Private anonymous memory: zero-filled, freed with the array (shared memory would be
+        # shmem, which gets no transparent huge pages by default).
+        buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = (-np.frombuffer(buf, dtype=np.uint8, count=1).ctypes.data) % HUGE_PAGE
+        buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    except (OSError, ValueError):
+        return np.zeros(nbytes, dtype=np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed, contiguous CPU tensor (any dtype, bfloat16 included) on huge pages where possible."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if numel * itemsize < _MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.from_numpy(huge_page_zeros(numel * itemsize))
+    return raw.view(dtype).reshape(shape)
