@@ -29,10 +29,12 @@ sample shrinks: with HBM 4k rows over 400k lookups (``--quick``: still 1/256, 4-
 the larger case every rate from 1/256 to 0.2 stays within 0.016: what remains does not shrink
 with the rate. ``tests/test_mrc.py`` checks the default on the ``--quick`` case.
 
-Cost (same benchmark, 2 shared cores): ``observe`` takes 10-35 ns of the caller's CPU per
-looked-up key in 4096-key batches (the hash and the batch's hand-over); the shadows (a few
-heap operations per sampled key and shadow) take 1-7 us of CPU per sampled key for all ten, on
-a background thread, which wakes once per
+Cost: ``observe`` copies the batch's keys and hands them over: 43 us of the caller's time per
+8,192-key batch (5 ns per key; an all-hot lookup of that batch takes ~0.9 ms), where hashing
+them on the caller's thread took 98 us (``/tmp`` timing loop, 585K-row table, one torch thread).
+The sampling hash then runs on a background thread, and so do the shadows (a few heap
+operations per sampled key and shadow: 1-7 us of CPU per sampled key for all ten, measured by
+the same benchmark on 2 shared cores). That thread wakes once per
 ``_WAKE_BATCHES`` batches (or every ``_WAKE_SECONDS``) and runs them all through each shadow in
 one call: per batch, ten shadow calls and a thread wake-up cost more than the sampled keys
 themselves (measured in the parameter server: 1.1-1.3 ms of CPU per lookup batch).
@@ -56,6 +58,7 @@ FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 _SMALLEST_SHADOW = 512
 _RATE_BITS = 32
 _MAX_PENDING = 64
+_MAX_PENDING_KEYS = 1 << 22  # 32 MiB of copied keys at most
 _WAKE_BATCHES = 16
 _WAKE_SECONDS = 0.5
 
@@ -133,7 +136,8 @@ class MissRatioEstimator:
         self._seen = 0.0
         self._expected = 0.0
         self._cond = threading.Condition()
-        self._pending: deque[tuple[np.ndarray, int]] = deque()
+        self._pending: deque[np.ndarray] = deque()  # looked-up keys, not yet sampled
+        self._pending_keys = 0
         self._thread: threading.Thread | None = None
         self._busy = False
         self._draining = 0
@@ -143,19 +147,21 @@ class MissRatioEstimator:
     def observe(self, keys: torch.Tensor) -> None:
         """Count one lookup batch (int64 keys, any device; duplicates are accesses).
 
-        Only the sampling runs here (one hash per key); the shadows run on a background thread.
-        When that thread falls more than ``_MAX_PENDING`` batches behind, a batch is dropped
-        whole (counted in ``dropped_batches``), which keeps the estimate unbiased.
+        Only a copy of the keys is made here (the caller may reuse its tensor); the sampling (one
+        hash per key) and the shadows run on a background thread, off the lookup's path. When
+        that thread falls more than ``_MAX_PENDING`` batches or ``_MAX_PENDING_KEYS`` keys
+        behind, a batch is dropped whole (counted in ``dropped_batches``), which keeps the
+        estimate unbiased.
         """
-        k = keys.detach().to("cpu").numpy()
-        sampled = _sample(k, self._threshold) if self.rate < 1.0 else k.astype(np.int64, copy=True)
+        k = np.array((keys if keys.device.type == "cpu" else keys.cpu()).numpy(), dtype=np.int64).reshape(-1)
         with self._cond:
             if self._closed:
                 return
-            if len(self._pending) >= _MAX_PENDING:
+            if len(self._pending) >= _MAX_PENDING or self._pending_keys + k.shape[0] > _MAX_PENDING_KEYS:
                 self.dropped_batches += 1
                 return
-            self._pending.append((sampled, k.shape[0]))
+            self._pending.append(k)
+            self._pending_keys += k.shape[0]
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="embcache-mrc", daemon=True)
                 self._thread.start()
@@ -174,6 +180,7 @@ class MissRatioEstimator:
                     return
                 batches = list(self._pending)
                 self._pending.clear()
+                self._pending_keys = 0
                 self._busy = True
             try:
                 self._process(batches)
@@ -182,7 +189,11 @@ class MissRatioEstimator:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _process(self, batches: list[tuple[np.ndarray, int]]) -> None:
+    def _process(self, looked_up: list[np.ndarray]) -> None:
+        if self.rate < 1.0:
+            batches = [(_sample(k, self._threshold), k.shape[0]) for k in looked_up]
+        else:
+            batches = [(k, k.shape[0]) for k in looked_up]
         sizes = np.array([b[0].shape[0] for b in batches], dtype=np.int64)
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         keys = np.concatenate([b[0] for b in batches])
@@ -214,6 +225,7 @@ class MissRatioEstimator:
         with self._cond:
             self._closed = True
             self._pending.clear()
+            self._pending_keys = 0
             self._cond.notify_all()
 
     def hit_ratios(self) -> dict[str, dict[str, float]]:
