@@ -398,13 +398,11 @@ def run_all_hot(batch: int, dim: int, ids: np.ndarray, args: argparse.Namespace,
             for k in keys:
                 cache.lookup(TABLE, k, out=out)
 
-        def ceiling() -> None:
-            for ix in dense_t:
-                torch.index_select(weights, 0, ix, out=out)
-
-        def ceiling_huge() -> None:
-            for ix in dense_t:
-                torch.index_select(weights_huge, 0, ix, out=out)
+        def ceiling_over(rows_of: torch.Tensor) -> Callable[[], None]:
+            def ceiling() -> None:
+                for ix in dense_t:
+                    torch.index_select(rows_of, 0, ix, out=out)
+            return ceiling
 
         def cache_update() -> None:
             for k in keys[:n_upd]:
@@ -416,8 +414,8 @@ def run_all_hot(batch: int, dim: int, ids: np.ndarray, args: argparse.Namespace,
             return lambda: fb.seconds(command)
 
         modes = ("sum", "none")
-        look_fns: dict[str, Callable[[], object]] = {"cache": cache_lookup, "ceiling": ceiling,
-                                                     "ceiling_huge_pages": ceiling_huge}
+        look_fns: dict[str, Callable[[], object]] = {"cache": cache_lookup, "ceiling": ceiling_over(weights),
+                                                     "ceiling_huge_pages": ceiling_over(weights_huge)}
         upd_fns: dict[str, Callable[[], object]] = {"cache": cache_update}
         if fb is not None:
             look_fns |= {f"fbgemm_{m}": remote(f"fwd {m}") for m in modes}

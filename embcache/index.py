@@ -588,15 +588,15 @@ def _find_gather_py(tab: Any, keys: Any, slots: Any, freq: Any, last: Any, inc: 
     # counters prefetched, and key i + 2 * _AHEAD is hashed and its table line prefetched. Cache
     # misses stay in flight all the time, where probe-then-index_select waits for every probe and
     # then gathers rows the caches no longer hold, and where groups of keys (this pass before)
-    # let them drain at the end of every group. Measured (585K rows, Zipf keys, median of 11):
-    # 0.82 -> 0.71 ms per 8,192 keys at dim 64, 10.1 -> 7.9 ms per 65,536 keys at dim 128, with
-    # the rows on huge pages. The stages are written out: as an inlined helper they compiled 2.7x
+    # let them drain at the end of every group. Measured (585K rows on huge pages, Zipf keys,
+    # median of 11): 0.76 -> 0.74 ms per 8,192 keys at dim 64, 9.5 -> 7.5 ms per 65,536 keys at
+    # dim 128. The stages are written out: as an inlined helper they compiled 2.7x
     # slower, and as one loop over the three offsets (no prologue) 15% slower.
     mask = np.uint64(tab.shape[0] - 1)
     n, dim = keys.shape[0], rows.shape[1]
     homes = np.empty(_RING, np.uint64)
     hits = 0
-    for j in range(min(2 * _AHEAD, n)):
+    for j in range(min(_AHEAD, n)):  # the loop's first step hashes key _AHEAD
         h = _home(keys[j], mask)
         homes[j % _RING] = h
         _prefetch(tab, (h, 0))
