@@ -52,7 +52,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor (any dtype, bfloat16 included) on huge pages where possible."""
     numel = math.prod(shape)
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    if numel * itemsize < _MIN_BYTES:
-        return torch.zeros(shape, dtype=dtype)
+    if numel * itemsize < _MIN_BYTES:  # huge_page_zeros would give plain memory too, but an empty
+        return torch.zeros(shape, dtype=dtype)  # byte tensor (stride 0) cannot be viewed as a wider dtype
     raw = torch.from_numpy(huge_page_zeros(numel * itemsize))
     return raw.view(dtype).reshape(shape)
