@@ -582,13 +582,14 @@ class EmbeddingCache:
         dslots = t.ddr.find(cpu_keys)
         in_ddr = dslots >= 0
         values = torch.empty(ukeys.numel(), t.cfg.dim, dtype=torch.float32)
+        d_hits = 0  # counted once the lookup cannot fail any more (a failed one counts no hits)
         d_pos = torch.nonzero(in_ddr).flatten()
         d_slots = dslots.index_select(0, d_pos)
         if d_slots.numel():
             values.index_copy_(0, d_pos, t.ddr.weights.index_select(0, d_slots).to(torch.float32))
             d_counts = cpu_counts.index_select(0, d_pos)
             t.ddr.touch(d_slots, d_counts.to(torch.float64) * inc, now)
-            t.stats.ddr.hits += int(d_counts.sum())
+            d_hits = int(d_counts.sum())
         t.stats.ddr.seconds += time.perf_counter() - t1
         s_pos = torch.nonzero(~in_ddr).flatten()
         s_keys, s_counts = cpu_keys.index_select(0, s_pos), cpu_counts.index_select(0, s_pos)
@@ -627,6 +628,7 @@ class EmbeddingCache:
             if t.stats.placement_errors == 1:
                 warnings.warn(f"embcache: table {t.cfg.name!r}: rows could not be cached: {failed}", stacklevel=3)
         values.index_copy_(0, s_pos, staged.weights.to(torch.float32))
+        t.stats.ddr.hits += d_hits
         return values.to(self._device)
 
     def _reader_pool(self) -> ThreadPoolExecutor:
@@ -1591,6 +1593,10 @@ class EmbeddingCache:
         """Counters and occupancy per table and tier (plain dicts; see DESIGN.md).
 
         ``lookups`` = hbm hits + ddr hits + ssd hits + ssd created (per key occurrence).
+        Each tier's ``misses`` are the key occurrences that reached it and were not served there:
+        ``hbm`` = lookups - hbm hits; ``ddr`` = occurrences that went on to the store (ssd hits +
+        created); ``ssd`` = rows created on first touch. So a tier's hits + misses = the misses of
+        the tier above (``lookups`` for HBM). Each is a sum of counters that only grow.
         """
         out: dict[str, dict[str, Any]] = {}
         now = time.monotonic()
@@ -1602,15 +1608,19 @@ class EmbeddingCache:
             running = max((now - t0 for t0, names in live if name in names), default=0.0)
             with t.lock:
                 s = t.stats
+                # key occurrences not served by each tier (a failed lookup counts neither its
+                # lookups nor any tier's hits, so these never go down)
+                misses = {"hbm": s.lookups - s.hbm.hits, "ddr": s.ssd.hits + s.ssd.created}
                 tiers: dict[str, Any] = {}
                 for tier, ts in ((t.hbm, s.hbm), (t.ddr, s.ddr)):
                     tiers[tier.tier.value] = {
-                        "hits": ts.hits, "resident_rows": len(tier), "resident_bytes": len(tier) * tier.row_bytes,
+                        "hits": ts.hits, "misses": misses[tier.tier.value],
+                        "resident_rows": len(tier), "resident_bytes": len(tier) * tier.row_bytes,
                         "capacity_rows": tier.capacity, "capacity_bytes": tier.capacity * tier.row_bytes,
                         "promotions": ts.promotions, "demotions": ts.demotions, "write_backs": ts.write_backs,
                         "pinned_rows": tier.pinned_count(), "seconds": ts.seconds,
                     }
-                ssd = dict(vars(s.ssd))
+                ssd = {"hits": s.ssd.hits, "misses": s.ssd.created, **vars(s.ssd)}
                 ssd["read_latency"] = s.ssd.read_latency.snapshot()
                 ssd["write_latency"] = s.ssd.write_latency.snapshot()
                 out[name] = {"lookups": s.lookups, "updates": s.updates, "assigns": s.assigns,

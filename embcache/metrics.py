@@ -13,6 +13,7 @@ which have no counters behind them.
 Per tier, ``hits + misses`` is the key occurrences that reached the tier: all lookups for
 ``hbm``, HBM's misses for ``ddr``, DDR's misses for ``ssd`` (whose misses are the rows created
 on first touch). So ``embcache_lookups_total`` = hbm hits + ddr hits + ssd hits + ssd misses.
+The misses are ``stats()[table][tier]["misses"]``.
 
     from prometheus_client import start_http_server
     register_metrics(cache)          # default registry
@@ -157,11 +158,8 @@ def _tier_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                                  "Key occurrences that reached the tier and were not found there "
                                  "(ssd: rows created on first touch)", labels=["table", "tier"])
     for table, s in stats.items():
-        # One stats() snapshot is taken under the table's lock, so these differences never go down.
-        hbm_misses = s["lookups"] - s["hbm"]["hits"]
-        misses.add_metric([table, "hbm"], hbm_misses)
-        misses.add_metric([table, "ddr"], hbm_misses - s["ddr"]["hits"])
-        misses.add_metric([table, "ssd"], s["ssd"]["created"])
+        for tier in ("hbm", "ddr", "ssd"):
+            misses.add_metric([table, tier], s[tier]["misses"])
     yield misses
     for field, doc in _TIER_GAUGES:
         gauge = GaugeMetricFamily(f"embcache_tier_{field}", doc, labels=["table", "tier"])

@@ -85,6 +85,46 @@ def test_stats_lookups_add_up(make_cache: Any) -> None:
     assert s["hbm"]["promotions"] > 0 and s["ddr"]["demotions"] > 0 and s["ddr"]["write_backs"] > 0
 
 
+def test_stats_misses_complete_the_hits_of_each_tier(make_cache: Any) -> None:
+    """Per tier, hits + misses = the occurrences that reached it: lookups for HBM, HBM's misses for DDR,
+    DDR's misses for the store, whose misses are the rows it created. Counters never go down."""
+    cache = make_cache(hbm_rows=3, ddr_rows=5)
+
+    def misses() -> dict[str, int]:
+        s = cache.stats()["t"]
+        return {tier: s[tier]["misses"] for tier in ("hbm", "ddr", "ssd")}
+
+    cache.lookup("t", torch.tensor([1, 1, 2]))  # new rows: every occurrence misses every tier
+    assert misses() == {"hbm": 3, "ddr": 3, "ssd": 3} and cache.stats()["t"]["ssd"]["created"] == 3
+    cache.lookup("t", torch.tensor([2, 1]))  # both now in HBM (it had free slots)
+    assert misses() == {"hbm": 3, "ddr": 3, "ssd": 3} and cache.stats()["t"]["hbm"]["hits"] == 2
+    rng = np.random.default_rng(4)
+    seen = misses()
+    for step in range(40):  # skewed lookups over 60 keys with updates, assigns, prefetches and a pass
+        keys = torch.from_numpy(np.minimum(rng.zipf(1.3, size=24), 60))
+        cache.lookup("t", keys)
+        cache.apply_gradients("t", keys, torch.randn(24, 8))
+        if step % 7 == 0:
+            cache.assign("t", keys[:3], torch.randn(3, 8))
+        if step == 10:
+            cache.prefetch({"t": torch.arange(40, 48)}).result(timeout=30)
+        if step == 20:
+            cache.begin_pass({"t": torch.arange(1, 5)})
+        if step == 30:
+            cache.end_pass().result(timeout=30)
+        now = misses()
+        assert all(now[tier] >= seen[tier] for tier in now), (seen, now)
+        seen = now
+    s = cache.stats()["t"]
+    assert s["lookups"] == 3 + 2 + 40 * 24
+    assert s["hbm"]["hits"] + s["hbm"]["misses"] == s["lookups"]
+    assert s["ddr"]["hits"] + s["ddr"]["misses"] == s["hbm"]["misses"]
+    assert s["ssd"]["hits"] + s["ssd"]["misses"] == s["ddr"]["misses"]
+    assert s["ssd"]["misses"] == s["ssd"]["created"]
+    assert min(s[tier]["hits"] for tier in ("hbm", "ddr", "ssd")) > 0  # the workload used every tier
+    assert min(s[tier]["misses"] for tier in ("hbm", "ddr", "ssd")) > 0
+
+
 def test_updates_survive_eviction_close_and_reopen(make_cache: Any, tmp_path: Any) -> None:
     cfg = TableConfig(name="t", dim=8, optimizer="sgd", lr=0.5, seed=7)
     cache = make_cache(hbm_rows=2, ddr_rows=3, tables=[cfg])
@@ -210,6 +250,64 @@ def test_user_score_function(make_cache: Any) -> None:
     assert set(cache.resident_keys("t", "hbm").tolist()) == {0, 1, 2, 9}
 
 
+@pytest.mark.parametrize("admission", [True, False])
+def test_admission_keeps_a_one_off_row_from_displacing_hot_rows(make_cache: Any, admission: bool) -> None:
+    # A full HBM tier of rows each looked up 10 times, no DDR; then a new row is looked up once.
+    # With admission it loses to every resident row and stays out of memory (served all the same);
+    # without, it takes a hot row's place.
+    cache = make_cache(hbm_rows=4, ddr_rows=0, admission=admission)
+    hot = torch.tensor([10, 11, 12, 13])
+    for _ in range(10):
+        cache.lookup("t", hot)
+    assert set(cache.resident_keys("t", "hbm").tolist()) == set(hot.tolist())
+    cfg = cache.tables()["t"]
+    torch.testing.assert_close(cache.lookup("t", torch.tensor([99])), expected_init(cfg, [99]), rtol=0, atol=0)
+    resident = set(cache.resident_keys("t", "hbm").tolist())
+    assert len(resident) == 4
+    if admission:
+        assert resident == set(hot.tolist())
+        hits = cache.stats()["t"]["hbm"]["hits"]
+        cache.lookup("t", hot)
+        assert cache.stats()["t"]["hbm"]["hits"] == hits + 4  # the hot rows are all still served from HBM
+    else:
+        assert 99 in resident and len(resident & set(hot.tolist())) == 3
+
+
+@pytest.mark.parametrize("how", ["reopen", "restore"])
+def test_access_frequencies_survive_reopen_and_restore(make_cache: Any, tmp_path: Any, store: str,
+                                                       how: str) -> None:
+    # Keys looked up 20 times before a close (or a checkpoint) are still known as hot after the
+    # reopen (restore), when memory starts empty: newcomers looked up 3 times fill HBM, and one
+    # lookup of each old hot key takes HBM back from them. A cache without that history keeps the
+    # newcomers (3 lookups beat 1), so the history, i.e. the saved frequencies, makes the difference.
+    hot, new = torch.arange(100, 104), torch.arange(200, 204)
+    cfg = TableConfig(name="t", dim=8, optimizer="adagrad", lr=0.1, seed=3)
+    first = make_cache(hbm_rows=4, ddr_rows=0, tables=[cfg], path=str(tmp_path / "first"))
+    for _ in range(20):
+        first.lookup("t", hot)
+    if how == "reopen":
+        first.close()
+        cache = make_cache(hbm_rows=4, ddr_rows=0, tables=[cfg], path=str(tmp_path / "first"))
+    else:
+        first.checkpoint(str(tmp_path / "ckpt"))
+        first.close()
+        cache = EmbeddingCache.restore(str(tmp_path / "ckpt"), CacheConfig(
+            hbm_bytes=4 * row_bytes(8, "adagrad"), ddr_bytes=0, path=str(tmp_path / "restored"), store=store,
+            device="cpu"))
+    control = make_cache(hbm_rows=4, ddr_rows=0, tables=[cfg], path=str(tmp_path / "control"))
+    try:
+        for c in (cache, control):
+            assert len(c.resident_keys("t", "hbm")) == 0  # nothing in memory: only the frequencies came back
+            for _ in range(3):
+                c.lookup("t", new)
+            assert set(c.resident_keys("t", "hbm").tolist()) == set(new.tolist())
+            c.lookup("t", hot)
+        assert set(cache.resident_keys("t", "hbm").tolist()) == set(hot.tolist())
+        assert set(control.resident_keys("t", "hbm").tolist()) == set(new.tolist())
+    finally:
+        cache.close()
+
+
 def test_checkpoint_restore_into_other_capacities_and_backend(make_cache: Any, tmp_path: Any, store: str) -> None:
     cfg = TableConfig(name="t", dim=8, optimizer="adam", lr=0.01, seed=5)
     cache = make_cache(hbm_rows=3, ddr_rows=4, tables=[cfg])
@@ -220,7 +318,16 @@ def test_checkpoint_restore_into_other_capacities_and_backend(make_cache: Any, t
     ckpt = tmp_path / "ckpt"
     cache.checkpoint(str(ckpt))
     want = cache.lookup("t", keys)
-    cache.apply_gradients("t", keys, torch.randn(len(keys), 8))  # after the checkpoint: not in it
+    g = torch.randn(len(keys), 8)
+    cache.apply_gradients("t", keys, g)  # after the checkpoint: not in it
+    want_next = cache.lookup("t", keys)  # the next step from the checkpointed rows and Adam state
+    # The same step from the same rows but fresh optimizer state (assign resets it) lands elsewhere,
+    # so the comparison below tells restored state from lost state.
+    fresh = make_cache(hbm_rows=20, ddr_rows=0, tables=[cfg], path=str(tmp_path / "fresh-state"))
+    fresh.assign("t", keys, want)
+    fresh.apply_gradients("t", keys, g)
+    without_state = fresh.lookup("t", keys)
+    assert (without_state - want_next).abs().max() > 1e-3
     other = "lmdb" if store == "rocksdb" else "rocksdb"
     for kind in (store, other):
         rb = row_bytes(8, "adam")
@@ -230,8 +337,8 @@ def test_checkpoint_restore_into_other_capacities_and_backend(make_cache: Any, t
             assert restored.tables()["t"] == cfg
             torch.testing.assert_close(restored.lookup("t", keys), want, rtol=0, atol=0)
             # optimizer state came along: the same next step gives the same rows
-            g = torch.randn(len(keys), 8)
             restored.apply_gradients("t", keys, g)
+            torch.testing.assert_close(restored.lookup("t", keys), want_next, rtol=1e-6, atol=1e-7)
     with pytest.raises(CheckpointExistsError):
         cache.checkpoint(str(ckpt))
 
@@ -364,6 +471,27 @@ def test_nonfinite_gradients_rejected(filled: Any, value: float) -> None:
     torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_gradients_pass_when_not_rejected(make_cache: Any, value: float) -> None:
+    # reject_nonfinite=False: no error; the row takes IEEE arithmetic's result (SGD: w - lr * g, so
+    # NaN or -/+inf in that element only), keeps it through eviction and a reopen; other rows are unharmed.
+    cfg = TableConfig(name="t", dim=8, optimizer="sgd", lr=0.5, seed=3)
+    cache = make_cache(hbm_rows=2, ddr_rows=3, tables=[cfg], reject_nonfinite=False)
+    keys = torch.arange(12)
+    before = cache.lookup("t", keys).clone()
+    g = torch.ones(12, 8)
+    g[5, 3] = value
+    cache.apply_gradients("t", keys, g)
+    want = before - 0.5 * g
+    assert not torch.isfinite(want[5, 3]) and bool(torch.isfinite(want[5, [0, 1, 2, 4, 5, 6, 7]]).all())
+    torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0, equal_nan=True)
+    cache.lookup("t", torch.arange(100, 120).repeat(3))  # push key 5 out of memory (written back)
+    assert 5 not in set(cache.resident_keys("t", "hbm").tolist()) | set(cache.resident_keys("t", "ddr").tolist())
+    cache.close()
+    again = make_cache(hbm_rows=2, ddr_rows=3, tables=[cfg], reject_nonfinite=False)
+    torch.testing.assert_close(again.lookup("t", keys), want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_bad_assign_rows(filled: Any) -> None:
     cache, keys, before = filled
     with pytest.raises(InvalidRowsError):
@@ -389,15 +517,47 @@ def test_oversized_batch(make_cache: Any) -> None:
     assert cache.lookup("t", torch.arange(10)).shape == (10, 8)
 
 
-def test_use_after_close(filled: Any) -> None:
-    cache, keys, _ = filled
+def test_use_after_close(filled: Any, tmp_path: Any) -> None:
+    cache, keys, before = filled
     cache.close()
     cache.close()  # idempotent
-    calls = (lambda: cache.lookup("t", keys), lambda: cache.apply_gradients("t", keys, torch.zeros(12, 8)),
-             cache.flush, lambda: cache.checkpoint("/tmp/never"), lambda: cache.assign("t", keys, torch.zeros(12, 8)))
+    never = tmp_path / "never"
+    calls = (lambda: cache.lookup("t", keys), lambda: cache.apply_gradients("t", keys, torch.ones(12, 8)),
+             cache.flush, lambda: cache.checkpoint(str(never)), lambda: cache.assign("t", keys, torch.zeros(12, 8)),
+             lambda: cache.lookup_many({"t": keys}),
+             lambda: cache.apply_gradients_many({"t": (keys, torch.ones(12, 8))}),
+             lambda: cache.prefetch({"t": keys}), lambda: cache.begin_pass({"t": keys}),
+             lambda: cache.create_table(TableConfig(name="u", dim=4)))
     for call in calls:
         with pytest.raises(CacheClosedError):
             call()
+    assert not never.exists()
+    # the stored rows are what they were before the refused calls
+    with EmbeddingCache(cache.config) as again:
+        assert set(again.tables()) == {"t"}
+        torch.testing.assert_close(again.lookup("t", keys), before, rtol=0, atol=0)
+
+
+def test_context_manager_closes_on_exit_and_on_error(tmp_path: Any, store: str) -> None:
+    cfg = CacheConfig(hbm_bytes=2 * row_bytes(8), ddr_bytes=2 * row_bytes(8), path=str(tmp_path / "s"),
+                      store=store, device="cpu")
+    table = TableConfig(name="t", dim=8, optimizer="sgd", lr=1.0, initializer="zeros")
+    keys = torch.arange(10)
+    with EmbeddingCache(cfg, [table]) as c:
+        c.apply_gradients("t", keys, torch.ones(10, 8))
+    assert c.closed
+    with pytest.raises(CacheClosedError):
+        c.lookup("t", keys)
+    with pytest.raises(CacheClosedError):
+        c.apply_gradients("t", keys, torch.ones(10, 8))
+    with pytest.raises(RuntimeError, match="boom"), EmbeddingCache(cfg) as d:  # the path was released
+        d.apply_gradients("t", keys, torch.ones(10, 8))
+        raise RuntimeError("boom")
+    assert d.closed  # closed on the way out of the error too, with its updates written
+    with pytest.raises(CacheClosedError):
+        d.lookup("t", keys)
+    with EmbeddingCache(cfg) as e:
+        torch.testing.assert_close(e.lookup("t", keys), torch.full((10, 8), -2.0), rtol=0, atol=0)
 
 
 def test_checkpoint_into_nonempty_directory(filled: Any, tmp_path: Any) -> None:
@@ -584,6 +744,31 @@ def test_failed_overlapped_store_read_fails_the_lookup_and_moves_nothing(make_ca
     torch.testing.assert_close(cache.lookup("t", cold.repeat(3)), want[cold].repeat(3, 1), rtol=0, atol=0)
     torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
     assert_tiers_consistent(cache)
+
+
+def test_misses_never_go_down_when_a_lookup_fails(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A lookup that found rows in DDR and then failed in its store read counts neither its lookups
+    # nor those DDR hits; the exported misses are counters (Prometheus reads a drop as a restart).
+    cache = make_cache(hbm_rows=4, ddr_rows=8)
+    cache.lookup("t", torch.arange(12))
+    cache.lookup("t", torch.arange(4).repeat(5))
+    in_ddr = cache.resident_keys("t", "ddr")
+    assert len(in_ddr) > 0
+    before = cache.stats()["t"]
+    store = cache._store
+    assert store is not None
+
+    def failing(table: str, k: Any) -> Any:
+        raise StoreError("injected read failure")
+
+    monkeypatch.setattr(store, "get_many", failing)
+    with pytest.raises(StoreError):
+        cache.lookup("t", torch.cat([in_ddr, torch.arange(100, 200)]))
+    after = cache.stats()["t"]
+    for tier in ("hbm", "ddr", "ssd"):
+        assert after[tier]["misses"] >= before[tier]["misses"], tier
+        assert after[tier]["hits"] == before[tier]["hits"], tier  # a failed lookup served nothing
+    assert after["lookups"] == before["lookups"]
 
 
 def test_update_after_lookup_reuses_the_rows_the_lookup_read(make_cache: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -10,9 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from embcache import TableConfig
 from embcache.metrics import LatencyHistogram, register_metrics
 
 
@@ -81,6 +83,37 @@ def test_metrics_match_stats_over_http(make_cache: Any) -> None:
         thread.join(timeout=5)
 
 
+def test_register_metrics_on_the_default_registry_over_http(make_cache: Any) -> None:
+    """register_metrics(cache) with no registry exports on prometheus_client's global REGISTRY, which
+    start_http_server serves by default; unregistering takes the cache's series away again."""
+    cache = make_cache(tables=[TableConfig(name="default_reg", dim=8, optimizer="adagrad", lr=0.1, seed=3)])
+    cache.lookup("default_reg", torch.arange(30))
+    collector = register_metrics(cache)
+    try:
+        server, thread = start_http_server(0, addr="127.0.0.1")
+        try:
+            port = server.server_port
+            m = scrape(port)
+            stats = cache.stats()["default_reg"]
+            t = (("table", "default_reg"),)
+            assert m[("embcache_lookups_total", t)] == stats["lookups"] == 30
+            assert m[("embcache_rows_created_total", t)] == stats["ssd"]["created"] == 30
+            for tier in ("hbm", "ddr"):
+                labels = (("table", "default_reg"), ("tier", tier))
+                assert m[("embcache_tier_resident_rows", labels)] == stats[tier]["resident_rows"]
+            assert any(name.startswith("python_") or name.startswith("process_") for name, _ in m)  # the defaults
+            cache.lookup("default_reg", torch.arange(30))
+            assert scrape(port)[("embcache_lookups_total", t)] == 60  # read at scrape time
+            REGISTRY.unregister(collector)
+            assert not any(dict(labels).get("table") == "default_reg" for _, labels in scrape(port))
+        finally:
+            server.shutdown()
+            thread.join(timeout=5)
+    finally:
+        with contextlib.suppress(KeyError):  # not unregistered above: leave the global registry clean
+            REGISTRY.unregister(collector)
+
+
 def test_misses_complete_the_hits_and_the_store_disk_is_reported(make_cache: Any) -> None:
     """hits + misses of a tier = occurrences that reached it; ssd misses = rows created; statvfs of the store."""
     cache = make_cache(hbm_rows=4, ddr_rows=8)
@@ -103,6 +136,9 @@ def test_misses_complete_the_hits_and_the_store_disk_is_reported(make_cache: Any
     assert get("hits", "ssd") + get("misses", "ssd") == get("misses", "ddr")
     assert get("misses", "ssd") == stats["ssd"]["created"] > 0
     assert min(get("hits", t) for t in ("hbm", "ddr", "ssd")) > 0  # every tier served some
+    for tier in ("hbm", "ddr", "ssd"):  # the export is stats()'s own figure
+        assert get("misses", tier) == stats[tier]["misses"] > 0, tier
+
     vfs = os.statvfs(cache.config.path)
     assert m[("embcache_store_filesystem_size_bytes", ())] == vfs.f_blocks * vfs.f_frsize
     assert 0 < m[("embcache_store_filesystem_avail_bytes", ())] <= m[("embcache_store_filesystem_size_bytes", ())]
