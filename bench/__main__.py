@@ -85,7 +85,7 @@ SUITE = (
     Bench("gpu", "bench_gpu.py", "gpu", device=True, what="HBM-tier lookup and update keys/s on CUDA vs "
           "index_select (skipped without CUDA)"),
     Bench("halflife", "bench_halflife.py", "halflife", in_quick=False, what="LRFU half-life sweep: HBM hit ratio "
-          "at 4x, 16x, 64x the rows"),
+          "at 10x, 40x, 160x the rows"),
     Bench("big", "bench_big.py", "big", in_quick=False, what="a table ~2x RAM (~45 GB on disk) trained with RSS "
           "within the tier budgets + 1 GiB"),
 )

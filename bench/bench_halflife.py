@@ -1,16 +1,18 @@
-"""Sweep of the LRFU half-life: HBM hit ratio at 4x, 16x and 64x the tier's rows.
+"""Sweep of the LRFU half-life: HBM hit ratio at 10x, 40x and 160x the tier's rows.
 
 Command: ``.venv/bin/python bench/bench_halflife.py`` (about 8 minutes on 2 cores; full mode
 only in ``python -m bench``). Traces from ``bench/workloads.py`` (the same as
 ``bench_policy.py``): 200k keys, 500k accesses, lookups of 256 keys through a real
-EmbeddingCache with only an HBM tier of 0.1%, 1% and 5% of the keys. This is how the default
-(16x the rows in memory) was chosen. The hit ratios are exact counts of one seeded trace (no
+EmbeddingCache with only an HBM tier of 0.1%, 1% and 5% of the keys, with the default idle
+discount (``CacheConfig.idle_halving``). It checks the default half-life (40x the rows in
+memory, chosen with the simulators of ``embcache.sim``: see ``embcache/policy.py``) against a
+quarter and four times it. The hit ratios are exact counts of one seeded trace (no
 timing). ``--quick`` runs 50k keys and 125k accesses (about half a minute).
 
 Writes ``bench/results/halflife.json`` (with the machine, versions and git commit), ``halflife.md``
 and ``halflife.png`` (hit ratio against the half-life, one panel per workload, one line per
 capacity); ``halflife-quick.*`` with ``--quick``; ``--out DIR`` writes them to DIR. The
-``summary`` rows give the default (16x) against the best of the other half-lives at 1% capacity
+``summary`` rows give the default (40x) against the best of the other half-lives at 1% capacity
 (no target: a tuning record).
 """
 
@@ -34,12 +36,13 @@ if str(_ROOT) not in sys.path:
 from bench._common import format_ratio, machine_info, markdown_table, write_json  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
 from embcache import CacheConfig, EmbeddingCache, TableConfig  # noqa: E402
+from embcache.policy import DEFAULT_HALFLIFE_ROWS  # noqa: E402
 
 N_KEYS, N_ACCESSES, BATCH = 200_000, 500_000, 256
 QUICK_KEYS, QUICK_ACCESSES = 50_000, 125_000
 FRACTIONS = (0.001, 0.01, 0.05)
-MULTIPLIERS = (4, 16, 64)
-DEFAULT_MULTIPLIER = 16
+DEFAULT_MULTIPLIER = DEFAULT_HALFLIFE_ROWS
+MULTIPLIERS = (DEFAULT_MULTIPLIER // 4, DEFAULT_MULTIPLIER, DEFAULT_MULTIPLIER * 4)
 NAMES = ("zipf-1.05", "drifting", "bursty")
 
 

@@ -13,7 +13,7 @@ of the HBM rows) and at explicit rates, and the estimate at each of the ten poin
 and HBM+DDR, at 0.25x..4x the capacities) is compared with the exact answer:
 :class:`embcache.sim.LrfuSim` at the full capacity, with the same batching (one aged-frequency
 increment per batch, as the cache and the shadows apply it) and the same half-life as the
-estimator's shadows (the cache's default, 16x the rows in memory, scaled with the capacity).
+estimator's shadows (the cache's default, 40x the rows in memory, scaled with the capacity).
 The estimator reports a sliding window (counts halve every ``window`` sampled accesses, i.e.
 every ``window / rate`` lookups), so the exact hit ratio is decayed the same way: per rate,
 the reference is ``sum_b w_b hits_b / sum_b w_b n_b`` over batches ``b`` with
@@ -51,6 +51,7 @@ from bench._common import machine_info, markdown_table, write_json  # noqa: E402
 from bench.workloads import WORKLOADS as ALL_WORKLOADS  # noqa: E402
 from bench.workloads import Workload  # noqa: E402
 from embcache.mrc import _RATE_BITS, FACTORS, MissRatioEstimator, _sample, auto_sample_rate  # noqa: E402
+from embcache.policy import default_halflife  # noqa: E402
 from embcache.sim import LrfuSim  # noqa: E402
 
 RESULTS_DIR = _ROOT / "bench" / "results"
@@ -77,7 +78,7 @@ def shadow_points(hbm_rows: int, ddr_rows: int) -> list[tuple[str, float, int, f
     (``embcache.mrc.MissRatioEstimator`` with ``halflife=None``: the cache's default).
     """
     memory = hbm_rows + ddr_rows
-    return [(tier, f, round(rows * f), float(max(16 * memory * f, 1024)))
+    return [(tier, f, round(rows * f), default_halflife(memory * f))
             for tier, rows in (("hbm", hbm_rows), ("ddr", memory)) for f in FACTORS]
 
 

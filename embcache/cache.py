@@ -69,7 +69,7 @@ from .keyset import Keyset, as_keysets
 from .metrics import LatencyHistogram
 from .mrc import MissRatioEstimator
 from .optim import OptimizerParams, apply_update, initial_state, state_width
-from .policy import Clock, FrequencySketch, Policy, make_policy
+from .policy import Clock, FrequencySketch, Policy, default_halflife, make_policy
 from .prefetch import PrefetchFuture
 from .stores import Store, open_store
 from .tier import MemoryTier, RowBatch, resident_row_bytes
@@ -184,7 +184,7 @@ class _Table:
         self.ddr = MemoryTier(Tier.DDR, ddr_rows, cfg.dim, self.state_width, dtype, torch.device("cpu"),
                               pin=device.type == "cuda")
         memory_rows = hbm_rows + ddr_rows
-        halflife = config.halflife if config.halflife is not None else float(max(16 * memory_rows, 1024))
+        halflife = config.halflife if config.halflife is not None else default_halflife(memory_rows)
         self.clock = Clock(halflife if policy.aging else math.inf)
         width = config.sketch_width or min(max(_next_pow2(8 * memory_rows), _MIN_SKETCH_WIDTH), _MAX_SKETCH_WIDTH)
         self.sketch = FrequencySketch(width, device=torch.device("cpu"))
@@ -219,13 +219,13 @@ class _Table:
         rows = (self.hbm.capacity, self.ddr.capacity)
         if config.mrc_sample_rate != 0 and self.policy.name in ("lrfu", "lfu") and sum(rows) > 0:
             self.mrc = MissRatioEstimator(*rows, halflife=config.halflife if self.policy.aging else math.inf,
-                                          rate=config.mrc_sample_rate)
+                                          rate=config.mrc_sample_rate, idle_halving=config.idle_halving)
 
     def scores_of(self, tier: MemoryTier) -> Any:
         """A callback giving the policy's scores of resident rows of ``tier`` at ``slots``."""
         def score(slots: torch.Tensor) -> torch.Tensor:
             return self.policy.score(tier.freq.index_select(0, slots), tier.last.index_select(0, slots),
-                                     self.clock.now)
+                                     self.clock)
         return score
 
     def encode(self, rows: RowBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -272,7 +272,7 @@ class EmbeddingCache:
             self._tables: dict[str, _Table] = {}
             self._global_lock = threading.RLock()
             self._device = config.torch_device
-            self._policy = make_policy(config.policy, config.admission)
+            self._policy = make_policy(config.policy, config.admission, config.idle_halving)
             self._worker: ThreadPoolExecutor | None = None
             self._readers: ThreadPoolExecutor | None = None  # store reads overlapped with placement
             self._reader_lock = threading.Lock()
@@ -400,7 +400,7 @@ class EmbeddingCache:
             return
         cpu = torch.device("cpu")
         rows = RowBatch.cat([t.hbm.read(t.hbm.occupied_slots()).to(cpu), t.ddr.read(t.ddr.occupied_slots())])
-        order = torch.argsort(t.policy.score(rows.freq, rows.last, t.clock.now), descending=True, stable=True)
+        order = torch.argsort(t.policy.score(rows.freq, rows.last, t.clock), descending=True, stable=True)
         rows = rows.select(order)
         leaving = rows.select(torch.arange(min(hbm_rows + ddr_rows, len(rows)), len(rows)))
         self._write_store(t, leaving.select(leaving.dirty))  # may raise: nothing changed yet
@@ -817,9 +817,8 @@ class EmbeddingCache:
             return staged
         if complete is not None and bool(staged.dirty.any()):
             raise RuntimeError("rows still being read cannot be dirty")  # a bug in the caller
-        now = t.clock.now
-        d_scores = t.policy.score(t.ddr.freq[ddr_cands], t.ddr.last[ddr_cands], now)
-        s_scores = t.policy.score(staged.freq, staged.last, now)
+        d_scores = t.policy.score(t.ddr.freq[ddr_cands], t.ddr.last[ddr_cands], t.clock)
+        s_scores = t.policy.score(staged.freq, staged.last, t.clock)
         # 1. HBM: promote the best of (DDR rows accessed, staged rows)
         admitted_h, victims_h = self._admit(t, t.hbm, torch.cat([d_scores, s_scores]), 0, None)
         from_ddr = admitted_h[admitted_h < n_d]
@@ -832,7 +831,7 @@ class EmbeddingCache:
         hv_rows = t.hbm.read(victims_h).to(torch.device("cpu"))
         n_hv = len(hv_rows)
         c_scores = t.policy.score(torch.cat([hv_rows.freq, staged.freq.index_select(0, rest)]),
-                                  torch.cat([hv_rows.last, staged.last.index_select(0, rest)]), now)
+                                  torch.cat([hv_rows.last, staged.last.index_select(0, rest)]), t.clock)
         # rows leaving DDR for HBM make room but are not victims (slots, not a capacity-sized mask)
         exclude = promote_slots if promote_slots.numel() else None
         admitted_d, victims_d = self._admit(t, t.ddr, c_scores, promote_slots.numel(), exclude)
@@ -1348,7 +1347,7 @@ class EmbeddingCache:
     def _boosted_scores(self, t: _Table, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor,
                         wanted: Keyset | None) -> torch.Tensor:
         """Policy scores, with rows of ``wanted`` above every other row (ordered by their counts)."""
-        scores = t.policy.score(freq, last, t.clock.now)
+        scores = t.policy.score(freq, last, t.clock)
         if wanted is None or len(wanted) == 0 or keys.numel() == 0:
             return scores
         ckeys = keys.cpu()

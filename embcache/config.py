@@ -164,7 +164,11 @@ class CacheConfig:
         policy: "lrfu" (default: exponentially aged frequency, i.e. LFU with recency),
             "lfu" (plain counts), "lru", or a callable ``fn(freq, last, now) -> score``.
         halflife: accesses after which a past access counts half (policy "lrfu"); None =
-            16x the table's rows in memory (tuned on bench/bench_policy.py workloads).
+            40x the table's rows in memory (tuned on bench/bench_policy.py workloads).
+        idle_halving: policy "lrfu": a row's score halves for every ``idle_halving`` accesses it
+            is estimated to have missed since its last one (idle ticks times the access rate its
+            aged frequency implies; see :mod:`embcache.policy`); ``math.inf`` turns the
+            discount off (plain aged frequency). > 0.
         admission: a row from below enters a full tier only if its (sketched) frequency beats
             the victim's. Ignored by "lru".
         sketch_width: columns of the count-min sketch of non-resident rows (power of two);
@@ -188,6 +192,7 @@ class CacheConfig:
     device: str | None = None
     policy: str | ScoreFn = "lrfu"
     halflife: float | None = None
+    idle_halving: float = 2.5
     admission: bool = True
     sketch_width: int | None = None
     eviction_sample: int = 16
@@ -217,6 +222,8 @@ class CacheConfig:
                 raise ConfigError(f"CacheConfig.{name}={value!r}: must be None or an int >= 0 (bytes)")
         if self.halflife is not None and (not math.isfinite(self.halflife) or self.halflife <= 0):
             raise ConfigError(f"CacheConfig.halflife={self.halflife!r}: must be None or a finite number > 0")
+        if not (isinstance(self.idle_halving, (int, float)) and self.idle_halving > 0) or math.isnan(self.idle_halving):
+            raise ConfigError(f"CacheConfig.idle_halving={self.idle_halving!r}: must be a number > 0 (math.inf: off)")
         if self.sketch_width is not None and (self.sketch_width < 16 or self.sketch_width & (self.sketch_width - 1)):
             raise ConfigError(f"CacheConfig.sketch_width={self.sketch_width!r}: must be a power of two >= 16")
         if self.eviction_sample < 1:

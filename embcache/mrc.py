@@ -50,6 +50,7 @@ import numba
 import numpy as np
 import torch
 
+from .policy import DEFAULT_IDLE_HALVING, default_halflife
 from .sim import LrfuSim
 
 __all__ = ["FACTORS", "MissRatioEstimator", "auto_sample_rate"]
@@ -112,14 +113,16 @@ class MissRatioEstimator:
 
     Args:
         hbm_rows, ddr_rows: the real tiers' capacities in rows.
-        halflife: the table's half-life in ticks; None = the cache's default (16x the rows in
+        halflife: the table's half-life in ticks; None = the cache's default (40x the rows in
             memory, scaled with each shadow's capacity as the cache would scale it).
         rate: share of keys sampled (0 < rate <= 1); None picks :func:`auto_sample_rate`.
         window: sampled accesses after which past counts weigh half.
+        idle_halving: the policy's idle discount (``CacheConfig.idle_halving``); the number of
+            missed accesses does not change with sampling (idle ticks and half-life shrink alike).
     """
 
     def __init__(self, hbm_rows: int, ddr_rows: int, halflife: float | None = None, rate: float | None = None,
-                 window: int = 200_000) -> None:
+                 window: int = 200_000, idle_halving: float = DEFAULT_IDLE_HALVING) -> None:
         self.rate = float(rate) if rate is not None else auto_sample_rate(hbm_rows)
         if not 0.0 < self.rate <= 1.0:
             raise ValueError(f"sample rate must be in (0, 1], got {self.rate}")
@@ -129,8 +132,9 @@ class MissRatioEstimator:
         self._shadows: dict[tuple[str, float], LrfuSim] = {}
         for tier, rows in (("hbm", hbm_rows), ("ddr", memory)):
             for f in FACTORS:
-                hl = halflife if halflife is not None else float(max(16 * memory * f, 1024))
-                self._shadows[(tier, f)] = LrfuSim(max(round(rows * f * self.rate), 0), hl * self.rate)
+                hl = halflife if halflife is not None else default_halflife(memory * f)
+                self._shadows[(tier, f)] = LrfuSim(max(round(rows * f * self.rate), 0), hl * self.rate,
+                                                   idle_halving=idle_halving)
         self._decay = 0.5 ** (1.0 / window)
         self._hits = {k: 0.0 for k in self._shadows}
         self._seen = 0.0

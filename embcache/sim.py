@@ -1,9 +1,11 @@
 """Exact sequential cache simulators: the reference policies embcache is measured against (and sized with).
 
 Each simulator replays a key trace (1-D integer array, one entry per access) through a cache
-that holds at most ``capacity`` keys and counts hits. They are exact (no sampling, no
-approximation beyond what the policy itself prescribes) and numba-compiled: a 2M-access trace
-takes well under a second each once compiled (compiled code is cached on disk).
+that holds at most ``capacity`` keys and counts hits. The reference policies below are exact (no
+sampling, no approximation beyond what the policy itself prescribes) and numba-compiled: a
+2M-access trace takes well under a second each once compiled (compiled code is cached on disk).
+:class:`LrfuSim`, embcache's own policy, picks its victims among sampled residents as the cache
+does (``sample=None`` makes it exact).
 
 Policies (``REFERENCE_POLICIES`` maps a display name to a ``(trace, capacity) -> hit ratio``
 function):
@@ -38,6 +40,8 @@ from collections.abc import Callable, Sequence
 
 import numba
 import numpy as np
+
+from .policy import DEFAULT_IDLE_HALVING, default_halflife
 
 __all__ = [
     "REFERENCE_POLICIES",
@@ -410,6 +414,7 @@ def _wtinylfu_kernel(
     max_protected: int,
     sample_size: int,
     adaptive: bool,
+    batch: int,
 ) -> int:
     none_, window, probation, protected = 0, 1, 2, 3
     s_window, s_probation, s_protected = n_ids, n_ids + 1, n_ids + 2
@@ -419,6 +424,7 @@ def _wtinylfu_kernel(
     _init_list(prv, nxt, s_probation)
     _init_list(prv, nxt, s_protected)
     status = np.zeros(n_ids, dtype=np.int8)
+    entered = np.zeros(n_ids, dtype=np.int64)  # access index at which the key last entered the cache
     table = np.zeros((_SKETCH_DEPTH, width), dtype=np.uint8)
     additions = 0
     window_size = 0
@@ -431,7 +437,8 @@ def _wtinylfu_kernel(
     prev_hit_rate = 0.0
     step = -_CLIMB_STEP * capacity
     adjustment = 0
-    for k in ids:
+    for i in range(ids.shape[0]):
+        k = ids[i]
         # Record the access in the frequency sketch (Caffeine records hits and misses alike).
         added = False
         for r in range(_SKETCH_DEPTH):
@@ -453,7 +460,8 @@ def _wtinylfu_kernel(
                 additions = (additions - (odd >> 2)) >> 1
 
         st = status[k]
-        hit = st != none_
+        # a hit needs the key cached when its batch began (batch 1: any earlier access)
+        hit = st != none_ and entered[k] < i - i % batch
         if st == window:
             _unlink(prv, nxt, k)
             _push_mru(prv, nxt, s_window, k)
@@ -474,6 +482,7 @@ def _wtinylfu_kernel(
         elif capacity > 0:
             _push_mru(prv, nxt, s_window, k)
             status[k] = window
+            entered[k] = i
             window_size += 1
             size += 1
             while window_size > max_window:
@@ -586,6 +595,7 @@ def wtinylfu_hits(
     protected_fraction: float = 0.8,
     sample_factor: int = 10,
     adaptive: bool = False,
+    batch: int = 1,
 ) -> int:
     """Hits of a W-TinyLFU cache (Caffeine's eviction policy) of ``capacity`` keys.
 
@@ -627,6 +637,11 @@ def wtinylfu_hits(
             the climber's sample of requests.
         adaptive: resize the window by hill climbing (Caffeine's cache) instead of keeping
             ``window_fraction``.
+        batch: count an access as a hit only if its key was cached when the access's batch
+            (consecutive runs of ``batch`` accesses) began, as a cache serving whole batches
+            counts them (a key missed earlier in the same batch is still being fetched); the
+            policy itself runs access by access either way. 1 (default): every access is its
+            own batch.
 
     Returns:
         The number of accesses that found their key cached.
@@ -641,6 +656,8 @@ def wtinylfu_hits(
         raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
     if sample_factor < 1:
         raise ValueError(f"sample_factor must be >= 1, got {sample_factor}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     ids, uniq = _dense(trace)
     n_ids = int(uniq.size)
     raw = uniq.astype(np.int64).view(np.uint64)
@@ -650,7 +667,8 @@ def wtinylfu_hits(
     max_window = cap - max_main
     max_protected = int(max_main * protected_fraction)
     sample_size = sample_factor * max(cap, 1)
-    return int(_wtinylfu_kernel(ids, slots, width, n_ids, cap, max_window, max_protected, sample_size, bool(adaptive)))
+    return int(_wtinylfu_kernel(ids, slots, width, n_ids, cap, max_window, max_protected, sample_size, bool(adaptive),
+                                int(batch)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -787,64 +805,63 @@ def _pos_delete(pos: np.ndarray, key: int) -> None:
             j = i
 
 
+_LN2 = float(np.log(2.0))
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
-def _heap_swap(hk: np.ndarray, hs: np.ndarray, pos: np.ndarray, i: int, j: int) -> None:
-    hk[i], hk[j] = hk[j], hk[i]
-    hs[i], hs[j] = hs[j], hs[i]
-    _pos_put(pos, hk[i], i)
-    _pos_put(pos, hk[j], j)
+def _xorshift(rng: np.ndarray) -> int:
+    """The next value of a xorshift64* generator whose state is ``rng[0]`` (non-zero uint64)."""
+    x = rng[0]
+    x ^= x >> np.uint64(12)
+    x ^= x << np.uint64(25)
+    x ^= x >> np.uint64(27)
+    rng[0] = x
+    return np.int64((x * np.uint64(0x2545F4914F6CDD1D)) >> np.uint64(1))
 
 
 @numba.njit(cache=True, nogil=True)
-def _heap_down(hk: np.ndarray, hs: np.ndarray, pos: np.ndarray, i: int, size: int) -> None:
-    while True:
-        lo = 2 * i + 1
-        if lo >= size:
-            return
-        m = lo
-        if lo + 1 < size and hs[lo + 1] < hs[lo]:
-            m = lo + 1
-        if hs[m] < hs[i]:
-            _heap_swap(hk, hs, pos, i, m)
-            i = m
-        else:
-            return
+def _lrfu_victim(rf: np.ndarray, rl: np.ndarray, size: int, sample: int, now: float, a: float,
+                 rng: np.ndarray) -> tuple[int, float]:
+    """(index, log score) of the lowest-scored of ``sample`` random residents (all when ``sample``
+    is 0 or at least ``size``); log score = log(freq) - a * freq * idle (see embcache.policy)."""
+    n = size if sample <= 0 or sample >= size else sample
+    best, best_i = np.inf, -1
+    for j in range(n):
+        i = j if n == size else _xorshift(rng) % size
+        ls = np.log(rf[i]) - a * rf[i] * (now - rl[i])
+        if ls < best:
+            best, best_i = ls, i
+    return best_i, best
 
 
 @numba.njit(cache=True, nogil=True)
-def _heap_up(hk: np.ndarray, hs: np.ndarray, pos: np.ndarray, i: int) -> None:
-    while i > 0:
-        p = (i - 1) // 2
-        if hs[i] < hs[p]:
-            _heap_swap(hk, hs, pos, i, p)
-            i = p
-        else:
-            return
+def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.ndarray, rk: np.ndarray,
+                 rf: np.ndarray, rl: np.ndarray, pos: np.ndarray, state: np.ndarray, sketch: np.ndarray,
+                 admission: bool, rng: np.ndarray) -> int:
+    """Replay ``keys`` through an LRFU cache with the idle discount; returns the hits.
 
-
-@numba.njit(cache=True, nogil=True)
-def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.ndarray, hk: np.ndarray,
-                 hs: np.ndarray, pos: np.ndarray, state: np.ndarray, sketch: np.ndarray, admission: bool) -> int:
-    """Replay ``keys`` through an LRFU cache (a min-heap of aged frequencies); returns the hits.
-
-    ``clock`` = [now, t0, halflife] (ticks); ``state`` = [size, capacity]. With ``tick_each`` every
-    key advances the clock by one tick; otherwise the whole batch shares one increment and the
-    clock then advances by ``batch_ticks`` (what the cache does per lookup).
+    ``clock`` = [now, t0, halflife, idle_halving] (ticks); ``state`` = [size, capacity, sample].
+    Residents are ``rk`` (keys), ``rf`` (aged frequencies) and ``rl`` (last-access ticks) at
+    ``[0, size)``; ``pos`` maps a key to its index. With ``tick_each`` every key advances the
+    clock by one tick; otherwise the whole batch shares one tick and increment and the clock
+    then advances by ``batch_ticks`` (what the cache does per lookup).
     """
-    size, cap = state[0], state[1]
+    size, cap, sample = state[0], state[1], state[2]
     mask = sketch.shape[1] - 1
     hits = 0
+    now = clock[0]
     inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
     for i in range(keys.shape[0]):
         k = keys[i]
         if tick_each:
+            now = clock[0]
             inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
         e = _pos_find(pos, k)
         if e >= 0:
             idx = pos[e, 1]
             hits += 1
-            hs[idx] += inc
-            _heap_down(hk, hs, pos, idx, size)
+            rf[idx] += inc
+            rl[idx] = now
         else:
             # conservative update, as the cache's FrequencySketch: raise the key's counters to min + inc
             est = np.inf
@@ -859,34 +876,39 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
                     sketch[r, c] = est
             if cap > 0:
                 if size < cap:
-                    hk[size] = k
-                    hs[size] = est
-                    _pos_put(pos, k, size)
+                    v = size
                     size += 1
-                    _heap_up(hk, hs, pos, size - 1)
-                elif not admission or est > hs[0]:
-                    vk, vs = hk[0], hs[0]
-                    _pos_delete(pos, vk)
-                    for r in range(4):
-                        c = _lrfu_cell(vk, r, mask)
-                        if sketch[r, c] < vs:
-                            sketch[r, c] = vs
-                    hk[0] = k
-                    hs[0] = est
-                    _pos_put(pos, k, 0)
-                    _heap_down(hk, hs, pos, 0, size)
+                else:
+                    a = 0.0
+                    if np.isfinite(clock[2]) and np.isfinite(clock[3]):
+                        a = _LN2 * _LN2 / (clock[2] * clock[3] * inc)
+                    v, vls = _lrfu_victim(rf, rl, size, sample, now, a, rng)
+                    if admission and not np.log(est) > vls:
+                        v = -1
+                    else:
+                        vk, vs = rk[v], rf[v]
+                        _pos_delete(pos, vk)
+                        for r in range(4):
+                            c = _lrfu_cell(vk, r, mask)
+                            if sketch[r, c] < vs:
+                                sketch[r, c] = vs
+                if v >= 0:
+                    rk[v] = k
+                    rf[v] = est
+                    rl[v] = now
+                    _pos_put(pos, k, v)
         if tick_each:
             clock[0] += 1.0
             if 2.0 ** ((clock[0] - clock[1]) / clock[2]) >= _RENORM:
                 f = 1.0 / 2.0 ** ((clock[0] - clock[1]) / clock[2])
-                hs[:size] *= f
+                rf[:size] *= f
                 sketch *= f
                 clock[1] = clock[0]
     if not tick_each:
         clock[0] += batch_ticks
         if 2.0 ** ((clock[0] - clock[1]) / clock[2]) >= _RENORM:
             f = 1.0 / 2.0 ** ((clock[0] - clock[1]) / clock[2])
-            hs[:size] *= f
+            rf[:size] *= f
             sketch *= f
             clock[1] = clock[0]
     state[0] = size
@@ -894,42 +916,63 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
 
 
 @numba.njit(cache=True, nogil=True)
-def _lrfu_batches(keys: np.ndarray, bounds: np.ndarray, clock: np.ndarray, hk: np.ndarray, hs: np.ndarray,
-                  pos: np.ndarray, state: np.ndarray, sketch: np.ndarray, admission: bool, hits: np.ndarray) -> None:
+def _lrfu_batches(keys: np.ndarray, bounds: np.ndarray, clock: np.ndarray, rk: np.ndarray, rf: np.ndarray,
+                  rl: np.ndarray, pos: np.ndarray, state: np.ndarray, sketch: np.ndarray, admission: bool,
+                  rng: np.ndarray, hits: np.ndarray) -> None:
     """:func:`_lrfu_kernel` over consecutive batches ``keys[bounds[b]:bounds[b + 1]]`` in one call.
 
-    Each batch shares one increment and then moves the clock by its length; ``hits[b]`` gets its hits.
+    Each batch shares one tick and increment and then moves the clock by its length; ``hits[b]``
+    gets its hits.
     """
     for b in range(bounds.shape[0] - 1):
         lo, hi = bounds[b], bounds[b + 1]
-        hits[b] = _lrfu_kernel(keys[lo:hi], False, hi - lo, clock, hk, hs, pos, state, sketch, admission)
+        hits[b] = _lrfu_kernel(keys[lo:hi], False, hi - lo, clock, rk, rf, rl, pos, state, sketch, admission, rng)
 
 
 class LrfuSim:
-    """embcache's default policy (``lrfu`` with admission) as an exact, incremental simulator.
+    """embcache's default policy (``lrfu`` with admission and the idle discount) as an incremental simulator.
 
-    Unlike the cache it evicts the exact lowest score (the cache picks among a sample) and runs
-    one tier; rows outside the cache keep their aged frequency in a count-min sketch eight times
-    the capacity wide with conservative update, as the cache's does.
+    The score of a resident is its aged frequency discounted by the accesses it is estimated to
+    have missed (:mod:`embcache.policy`). As in the cache, the victim of a miss is the
+    lowest-scored of ``sample`` random residents, and rows outside the cache keep their aged
+    frequency in a count-min sketch eight times the capacity wide with conservative update. It
+    runs one tier.
+
+    The discount makes a score depend on the time, so no heap keeps the residents in score order;
+    a sampled victim costs O(sample) per miss instead of a scan of every resident. Measured
+    against the exact minimum (``sample=None``) on the six workloads of bench/bench_policy.py at
+    0.25%, 1% and 4% of 100k keys: 64 samples change the hit ratio by at most 0.03 points, 16
+    (the cache's factor per victim) by at most 0.15.
 
     Args:
         capacity: keys the cache holds.
-        halflife: ticks after which an access counts half; None = 16x the capacity (the
-            cache's default), ``math.inf`` = plain LFU with admission.
-        admission: a new key displaces the lowest-scored one only if its frequency is higher.
+        halflife: ticks after which an access counts half; None = the cache's default (40x the
+            capacity), ``math.inf`` = plain LFU with admission.
+        admission: a new key displaces the victim only if its frequency is higher.
+        idle_halving: missed accesses that halve a score (``math.inf``: no discount).
+        sample: residents considered per victim; None = all of them (the exact minimum).
+        seed: seed of the sampling.
     """
 
-    def __init__(self, capacity: int, halflife: float | None = None, admission: bool = True) -> None:
+    def __init__(self, capacity: int, halflife: float | None = None, admission: bool = True,
+                 idle_halving: float = DEFAULT_IDLE_HALVING, sample: int | None = 64, seed: int = 1) -> None:
         cap = _check_capacity(capacity)
+        if not idle_halving > 0:
+            raise ValueError(f"idle_halving must be > 0, got {idle_halving}")
+        if sample is not None and sample < 1:
+            raise ValueError(f"sample must be None or >= 1, got {sample}")
         self.capacity = cap
-        self._clock = np.array([0.0, 0.0, halflife if halflife is not None else float(max(16 * cap, 1024))])
-        self._hk = np.zeros(max(cap, 1), dtype=np.int64)
-        self._hs = np.zeros(max(cap, 1), dtype=np.float64)
+        hl = halflife if halflife is not None else default_halflife(cap)
+        self._clock = np.array([0.0, 0.0, hl, float(idle_halving)])
+        self._rk = np.zeros(max(cap, 1), dtype=np.int64)
+        self._rf = np.zeros(max(cap, 1), dtype=np.float64)
+        self._rl = np.zeros(max(cap, 1), dtype=np.float64)
         self._pos = np.zeros((_next_pow2(max(2 * cap, 16)), 2), dtype=np.int64)
         self._pos[:, 1] = -1
-        self._state = np.array([0, cap], dtype=np.int64)
+        self._state = np.array([0, cap, sample or 0], dtype=np.int64)
         self._sketch = np.zeros((4, _next_pow2(max(8 * cap, 64))), dtype=np.float64)
         self._admission = admission
+        self._rng = np.array([(seed * 0x9E3779B97F4A7C15 + 1) % (1 << 64) or 1], dtype=np.uint64)
 
     def access(self, keys: np.ndarray, batch_ticks: int | None = None) -> int:
         """Replay ``keys`` (int64 [n]); returns how many hit.
@@ -937,11 +980,12 @@ class LrfuSim:
         Args:
             keys: the accesses, in order.
             batch_ticks: None = one tick per key (a sequential trace); otherwise all keys share
-                the current increment and the clock then moves ``batch_ticks`` on (a sampled batch).
+                the current tick and increment and the clock then moves ``batch_ticks`` on (a
+                sampled batch).
         """
         k = np.ascontiguousarray(keys, dtype=np.int64)
-        return int(_lrfu_kernel(k, batch_ticks is None, int(batch_ticks or 0), self._clock, self._hk, self._hs,
-                                self._pos, self._state, self._sketch, self._admission))
+        return int(_lrfu_kernel(k, batch_ticks is None, int(batch_ticks or 0), self._clock, self._rk, self._rf,
+                                self._rl, self._pos, self._state, self._sketch, self._admission, self._rng))
 
     def access_batches(self, keys: np.ndarray, bounds: np.ndarray) -> np.ndarray:
         """Replay sampled batches ``keys[bounds[b]:bounds[b + 1]]`` as ``access(batch, len(batch))`` each.
@@ -952,20 +996,20 @@ class LrfuSim:
         k = np.ascontiguousarray(keys, dtype=np.int64)
         b = np.ascontiguousarray(bounds, dtype=np.int64)
         hits = np.zeros(max(b.shape[0] - 1, 0), dtype=np.int64)
-        _lrfu_batches(k, b, self._clock, self._hk, self._hs, self._pos, self._state, self._sketch,
-                      self._admission, hits)
+        _lrfu_batches(k, b, self._clock, self._rk, self._rf, self._rl, self._pos, self._state, self._sketch,
+                      self._admission, self._rng, hits)
         return hits
 
     def __len__(self) -> int:
         return int(self._state[0])
 
 
-def lrfu_hits(trace: np.ndarray, capacity: int, halflife: float | None = None) -> int:
+def lrfu_hits(trace: np.ndarray, capacity: int, halflife: float | None = None, sample: int | None = 64) -> int:
     """Hits of :class:`LrfuSim` (embcache's ``lrfu`` policy) replaying ``trace`` one access per tick."""
     keys = np.asarray(trace)
     if keys.ndim != 1 or not np.issubdtype(keys.dtype, np.integer):
         raise ValueError(f"trace must be a 1-D integer array, got {keys.dtype} of shape {keys.shape}")
-    return LrfuSim(capacity, halflife).access(keys.astype(np.int64, copy=False))
+    return LrfuSim(capacity, halflife, sample=sample).access(keys.astype(np.int64, copy=False))
 
 
 def lrfu_hit_ratio(trace: np.ndarray, capacity: int) -> float:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from embcache import CacheConfig
+from embcache.errors import ConfigError
 from embcache.policy import Clock, FrequencySketch, make_policy
 
 
@@ -75,15 +78,84 @@ def test_clock_ages_and_renormalizes_without_changing_order() -> None:
     assert Clock(math.inf).advance(10**9) is None
 
 
+def _clock_at(now: int, halflife: float = 100.0) -> Clock:
+    clock = Clock(halflife)
+    clock.advance(now)
+    return clock
+
+
 def test_policy_table() -> None:
     freq = torch.tensor([3.0, 1.0, 2.0], dtype=torch.float64)
     last = torch.tensor([5, 9, 1])
-    assert make_policy("lrfu", True).score(freq, last, 10).tolist() == [3.0, 1.0, 2.0]
+    clock = _clock_at(10)
+    assert make_policy("lrfu", True, idle_halving=math.inf).score(freq, last, clock).tolist() == [3.0, 1.0, 2.0]
     assert make_policy("lfu", True).aging is False
+    assert make_policy("lfu", True).score(freq, last, clock).tolist() == [3.0, 1.0, 2.0]
     lru = make_policy("lru", True)
-    assert lru.admission is False and lru.score(freq, last, 10).tolist() == [5.0, 9.0, 1.0]
-    custom = make_policy(lambda f, la, now: -f, True)
-    assert custom.score(freq, last, 10).tolist() == [-3.0, -1.0, -2.0]
+    assert lru.admission is False and lru.score(freq, last, clock).tolist() == [5.0, 9.0, 1.0]
+    custom = make_policy(lambda f, la, now: -f * now, True)
+    assert custom.score(freq, last, clock).tolist() == [-30.0, -10.0, -20.0]  # fn(freq, last, now)
     bad = make_policy(lambda f, la, now: f[:1], True)
     with pytest.raises(TypeError, match="shape"):
-        bad.score(freq, last, 10)
+        bad.score(freq, last, clock)
+
+
+def test_lrfu_score_is_aged_frequency_halved_per_idle_halving_missed_accesses() -> None:
+    # missed = (freq / increment) * ln 2 / halflife * (now - last); score = freq * 2 ** -(missed / m)
+    clock = _clock_at(300, halflife=100.0)  # increment 8
+    freq = torch.tensor([80.0, 80.0, 8.0, 0.5], dtype=torch.float64)
+    last = torch.tensor([300, 200, 0, 300])
+    got = make_policy("lrfu", True, idle_halving=2.0).score(freq, last, clock)
+    missed = (freq / 8.0) * math.log(2.0) / 100.0 * (300 - last).to(torch.float64)
+    torch.testing.assert_close(got, freq * 2.0 ** -(missed / 2.0), rtol=1e-12, atol=0)
+    assert got[0] == 80.0 and got[3] == 0.5  # just accessed: no discount
+    # 10 aged accesses, idle 100 ticks: ~6.9 missed, so 2**-3.47 of its score is left
+    assert float(got[1]) == pytest.approx(80.0 * 2.0 ** (-10 * math.log(2.0) / 2.0))
+
+
+def test_a_finished_burst_ranks_below_a_steady_row_only_with_the_discount() -> None:
+    # Two rows at tick 20,000 (half-life 1,000): a steady one accessed every 50 ticks (about 29
+    # aged accesses, last one 10 ticks ago) and one that took 400 accesses in a burst that ended
+    # 2,000 ticks ago (400 / 4 = 100 aged accesses left, but ~140 accesses missed since).
+    clock = _clock_at(20_000, halflife=1_000.0)
+    inc = clock.increment()
+    steady_ticks = np.arange(0, 20_000, 50) + 40
+    steady = float(np.sum(2.0 ** ((steady_ticks - 20_000) / 1_000.0))) * inc
+    burst = 400 * 2.0 ** (-2_000 / 1_000.0) * inc
+    freq = torch.tensor([steady, burst], dtype=torch.float64)
+    last = torch.tensor([19_990, 18_000])
+    plain = make_policy("lrfu", True, idle_halving=math.inf).score(freq, last, clock)
+    assert plain[1] > plain[0]  # aged frequency alone keeps the finished burst
+    discounted = make_policy("lrfu", True).score(freq, last, clock)
+    assert discounted[1] < discounted[0]
+    assert discounted[0] > 0.7 * steady  # the steady row loses little
+
+
+@pytest.mark.parametrize("idle_halving", [2.5, math.inf])
+def test_cache_drops_a_finished_burst_for_rows_in_use(make_cache: Any, idle_halving: float) -> None:
+    # HBM of 16 rows, no DDR. 8 steady keys are looked up in every batch; 8 burst keys are
+    # hammered for a while, then never again; then 8 new keys are looked up once per batch. With
+    # the idle discount the burst keys leave HBM to the new keys within 60 batches; with plain
+    # aged frequency they still outscore the new keys and hold their slots.
+    cache = make_cache(hbm_rows=16, ddr_rows=0, halflife=2_000.0, idle_halving=idle_halving, mrc_sample_rate=0)
+    steady, burst, new = torch.arange(8), torch.arange(100, 108), torch.arange(200, 208)
+    for _ in range(100):
+        cache.lookup("t", steady)
+    for _ in range(50):
+        cache.lookup("t", torch.cat([steady, burst.repeat(4)]))
+    assert set(cache.resident_keys("t", "hbm").tolist()) == set(range(8)) | set(range(100, 108))
+    for _ in range(60):
+        cache.lookup("t", torch.cat([steady, new]))
+    resident = set(cache.resident_keys("t", "hbm").tolist())
+    assert set(range(8)) <= resident  # the rows in steady use stay either way
+    if math.isinf(idle_halving):
+        assert resident == set(range(8)) | set(range(100, 108))
+    else:
+        assert resident == set(range(8)) | set(range(200, 208))
+
+
+def test_idle_halving_is_validated(tmp_path: Any) -> None:
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="idle_halving"):
+            CacheConfig(path=str(tmp_path), idle_halving=bad, validate_memory=False)
+    assert CacheConfig(path=str(tmp_path), idle_halving=math.inf, validate_memory=False).idle_halving == math.inf
