@@ -29,9 +29,13 @@ against servers in their own processes on 127.0.0.1:
 
 Each repeat runs every contender and op in turn (interleaved, so they see the same machine
 load); each thread does a fixed number of batches; rows/s = rows moved / wall time; the median
-repeat is reported with min and max. One torch thread per process (the servers and this one):
-on 2 shared cores intra-op threads only wait on each other. Writes ``bench/results/server.json``,
-``server.md`` and ``server.png``.
+repeat is reported with min and max. For each case the server process's CPU use is recorded too
+(user + system CPU seconds from ``/proc/<pid>/stat``, all its threads, over the case's wall time:
+1.0 = one core busy), pooled over the repeats (``server_cpu_cores``; per repeat in
+``server_cpu_cores_per_repeat``): whether a server on this 2-core machine keeps both cores busy,
+knowing that the client threads of this process share the same cores. One torch thread per
+process (the servers and this one): on 2 shared cores intra-op threads only wait on each other.
+Writes ``bench/results/server.json``, ``server.md`` and ``server.png``.
 """
 
 from __future__ import annotations
@@ -124,11 +128,35 @@ def _wait_file(path: str, proc: subprocess.Popen[bytes], what: str, timeout: flo
     return data
 
 
+# ---------------------------------------------------------------------- server CPU use
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used so far, all its threads (ended ones too).
+
+    From ``/proc/<pid>/stat`` (fields 14 and 15, in clock ticks: 10 ms here); None where there is
+    no such file (not Linux, or the process is gone).
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces: split after it
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 # ---------------------------------------------------------------------- contenders
 class Contender:
     """One system under test: per-thread clients and the two operations."""
 
     name = ""
+
+    @property
+    def server_pid(self) -> int | None:
+        """The pid of the server process whose CPU use is recorded (None: in this process)."""
+        return None
 
     def make_client(self) -> Any:
         raise NotImplementedError
@@ -163,6 +191,10 @@ class Embcache(Contender):
                 keys = np.arange(start, start + (1 << 16))
                 c.assign("bench", keys, torch.randn(keys.size, DIM))
             self.resident = c.stats()["bench"]["hbm"]["resident_rows"]
+
+    @property
+    def server_pid(self) -> int | None:
+        return self.server.proc.pid if self.server.proc is not None else None
 
     def make_client(self) -> Any:
         return self._Client([self.server.address], max_message_bytes=MAX_MESSAGE)
@@ -218,6 +250,10 @@ class GrpcEcho(Contender):
                                      env=env)
         self.address = f"127.0.0.1:{_wait_file(port_file, self.proc, 'the echo server')['port']}"
 
+    @property
+    def server_pid(self) -> int | None:
+        return self.proc.pid
+
     def make_client(self) -> Any:
         import grpc
 
@@ -263,6 +299,10 @@ class Redis(Contender):
             client.mset({k: data[i * ROW_BYTES:(i + 1) * ROW_BYTES] for i, k in enumerate(self._names(keys))})
         client.close()
 
+    @property
+    def server_pid(self) -> int | None:
+        return int(self.server.proc.pid)
+
     @staticmethod
     def _names(keys: np.ndarray) -> list[bytes]:
         raw = keys.astype("<i8").tobytes()
@@ -284,8 +324,9 @@ class Redis(Contender):
 
 
 # ---------------------------------------------------------------------- timing
-def run_case(c: Contender, op: str, threads: int, clients: list[Any], batches: int, seed: int) -> float:
-    """Wall seconds for ``threads`` threads each doing ``batches`` batches of ``op``."""
+def run_case(c: Contender, op: str, threads: int, clients: list[Any], batches: int,
+             seed: int) -> tuple[float, float | None]:
+    """Wall seconds of ``threads`` threads each doing ``batches`` batches of ``op``; server CPU seconds meanwhile."""
     rng = np.random.default_rng(seed)
     work = [[np.sort(rng.integers(0, ROWS, BATCH)) for _ in range(batches)] for _ in range(threads)]
     grads = torch.randn(BATCH, DIM) * 1e-3
@@ -301,11 +342,15 @@ def run_case(c: Contender, op: str, threads: int, clients: list[Any], batches: i
     pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
     for t in pool:
         t.start()
+    pid = c.server_pid
+    cpu0 = cpu_seconds(pid) if pid is not None else None
     barrier.wait()
     t0 = time.perf_counter()
     for t in pool:
         t.join()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    cpu1 = cpu_seconds(pid) if pid is not None else None
+    return wall, (cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None)
 
 
 def check_correct(c: Contender, client: Any) -> None:
@@ -379,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             check_correct(c, clients[c.name][0])
         seconds: dict[str, dict[str, dict[str, list[float]]]] = {
             c.name: {op: {str(t): [] for t in THREADS} for op in OPS} for c in contenders}
+        cpu: dict[str, dict[str, dict[str, list[float]]]] = {
+            c.name: {op: {str(t): [] for t in THREADS} for op in OPS} for c in contenders}
         from tqdm import tqdm
 
         total = repeats * len(contenders) * len(OPS) * len(THREADS)
@@ -387,9 +434,12 @@ def main(argv: list[str] | None = None) -> int:
                 for op in OPS:
                     for t in THREADS:
                         for c in contenders:
-                            s = run_case(c, op, t, clients[c.name], batches if rep >= 0 else 2, seed=rep + 100)
+                            s, used = run_case(c, op, t, clients[c.name], batches if rep >= 0 else 2,
+                                               seed=rep + 100)
                             if rep >= 0:
                                 seconds[c.name][op][str(t)].append(s)
+                                if used is not None:
+                                    cpu[c.name][op][str(t)].append(used)
                                 bar.update()
         results: dict[str, Any] = {}
         for name, per_op in seconds.items():
@@ -400,9 +450,17 @@ def main(argv: list[str] | None = None) -> int:
                     rows = int(t_key) * batches * BATCH
                     rates = [rows / s for s in secs]
                     med = statistics.median(rates)
+                    busy = cpu[name][op][t_key]
                     results[name][op][t_key] = {"rows_per_s": med, "rows_per_s_min": min(rates),
                                             "rows_per_s_max": max(rates), "mb_per_s": med * ROW_BYTES / 1e6,
-                                            "rows_per_repeat": rows, "seconds": secs}
+                                            "rows_per_repeat": rows, "seconds": secs,
+                                            # CPU seconds over wall seconds, pooled over the repeats (ticks of
+                                            # 10 ms are coarse next to one repeat); None: no server process
+                                            "server_cpu_cores": sum(busy) / sum(secs) if busy else None,
+                                            "server_cpu_cores_per_repeat": ([u / w for u, w in zip(busy, secs,
+                                                                                                    strict=True)]
+                                                                            if busy else None),
+                                            "server_cpu_seconds": busy or None}
         emb = contenders[0]
         assert isinstance(emb, Embcache)
         resident = emb.resident
@@ -413,6 +471,13 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = []
     table_rows = []
+    cores = os.cpu_count() or 1
+    with_cpu = [n for n in results if results[n]["pull"][str(THREADS[0])]["server_cpu_cores"] is not None]
+
+    def cpu_cell(r: dict[str, Any]) -> str:
+        used = r["server_cpu_cores"]
+        return "—" if used is None else f"{used:.2f} ({100 * used / cores:.0f}% of {cores})"
+
     for op in OPS:
         for t in THREADS:
             e = results["embcache"][op][str(t)]["rows_per_s"]
@@ -420,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in results:
                 r = results[name][op][str(t)]
                 row.append(f"{r['rows_per_s'] / 1e6:.2f} M ({r['mb_per_s']:.0f} MB/s)")
+            for name in with_cpu:
+                row.append(cpu_cell(results[name][op][str(t)]))
             g = results["gRPC echo"][op][str(t)]["rows_per_s"]
             row.append(format_ratio(e / g, TARGET_VS_GRPC))
             summary.append({"case": f"{op}, {t} client thread{'s' if t > 1 else ''}", "reference": "raw gRPC echo",
@@ -431,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "reference": "Redis MGET/MSET" if op == "pull" else "Redis MSET",
                                 "ratio": e / red, "target": TARGET_VS_REDIS, "met": e / red >= TARGET_VS_REDIS})
             table_rows.append(row)
-    headers = ["op", "client threads", *[f"{n} rows/s" for n in results], "embcache / gRPC echo"]
+    headers = ["op", "client threads", *[f"{n} rows/s" for n in results],
+               *[f"{n} server CPU, cores" for n in with_cpu], "embcache / gRPC echo"]
     if "Redis" in results:
         headers.append("embcache / Redis")
     table = markdown_table(headers, table_rows)
@@ -445,7 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(stem + ".md", "w") as f:
         f.write(f"# embcache-server vs raw gRPC echo and Redis\n\n`{command}` — batch {BATCH:,} keys, dim {DIM} "
                 f"fp32, {ROWS:,}-row table, median of {repeats} repeats x {batches} batches per thread "
-                f"(rows/s and MB/s of row payload).\n\n{table}\n")
+                f"(rows/s and MB/s of row payload). *Server CPU*: the server process's user + system CPU "
+                f"seconds (all threads, `/proc/<pid>/stat`) over the wall time, pooled over the repeats "
+                f"(1.00 = one core busy; this machine has {cores}, shared with the client threads).\n\n{table}\n")
         for n in notes:
             f.write(f"\n- {n}\n")
     plot(results, stem + ".png")
