@@ -9,8 +9,16 @@ Keys are spread over the shards by a consistent hash (a 64-bit mix of the key pl
 of virtual nodes per shard: adding a shard moves about 1/N of the keys). A call sends one
 request per shard carrying every table (``lookup_many`` and ``apply_gradients_many`` cost one
 round trip per step), all shards in parallel. Batches beyond the message size limit are split:
-lookups into several requests, writes into a client stream that the server applies as one
-request (atomic per table and shard).
+lookups into several requests; writes, and the keysets of ``prefetch``, ``begin_pass`` and
+``prefetch_batch``, into a client stream that the server merges and serves as one request (atomic
+per table and shard).
+
+Batch leases (``prefetch_batch``, and so :class:`~embcache.LookAhead` over a client): each shard
+holds its part of a lease by id with a time-to-live (``lease_ttl``, default 30 s), which one
+background thread of this client renews (one call per shard for all leases, every third of the
+TTL, or a bounded wait while staging runs). ``release()`` and ``cancel()`` unpin at once; if this
+process dies, the servers unpin the rows when the TTL runs out (see ``embcache.server.leases`` for
+why a TTL rather than a call held per lease).
 
 Deadlines: every call has one (``timeout``, or ``long_timeout`` for passes, flush and
 checkpoint); by default a call waits for a shard that is down or restarting until its deadline
@@ -18,10 +26,12 @@ checkpoint); by default a call waits for a shard that is down or restarting unti
 UNAVAILABLE (or CANCELLED by a server stopping as it arrived) is retried with exponential backoff,
 within its deadline, only when it is idempotent: ``lookup`` (idempotent for the values it returns,
 though the retried attempt counts its accesses again in the server's statistics and placement),
-``tables``, ``create_table``, ``flush``, ``stats``. Writes (``apply_gradients``, ``assign``),
-checkpoints and pass calls are never resent, unless the server said it refused them before they
-had any effect (UNAVAILABLE with ``embcache-not-applied: 1``: a server draining at shutdown).
-Only the failed shards' calls are resent; each resend is logged (logger ``embcache.client``, INFO).
+``tables``, ``create_table``, ``flush``, ``stats``, ``resident_keys``, and the release and renewal
+of leases. Writes (``apply_gradients``, ``assign``), checkpoints, pass calls (``prefetch``,
+``begin_pass``, ``end_pass``) and ``prefetch_batch`` are never resent, unless the server said it
+refused them before they had any effect (UNAVAILABLE with ``embcache-not-applied: 1``: a server
+draining at shutdown); then they are resent like the idempotent calls. Only the failed shards'
+calls are resent; each resend is logged (logger ``embcache.client``, INFO).
 
 Shards from DNS (``"dns:///name:port"``) are resolved when the client is made; ``expected_shards``
 makes it wait until the name gives that many, and :meth:`Client.refresh_shards` resolves again.
@@ -45,7 +55,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,12 +69,15 @@ from .errors import (
     ConfigError,
     EmbcacheError,
     InvalidGradientError,
+    InvalidKeysError,
     InvalidRowsError,
     NonFiniteGradientError,
     UnknownTableError,
 )
 from .keys import as_key_tensor
 from .keyset import Keyset, as_keysets
+from .optim import state_width
+from .prefetch import PrefetchFuture
 from .rpc import codec, wire
 from .rpc.errors import (
     DeadlineExceededError,
@@ -72,11 +85,13 @@ from .rpc.errors import (
     RemoteError,
     UnauthenticatedError,
     UnavailableError,
+    error_from_name,
     error_from_rpc,
     not_applied,
 )
 from .rpc.v1 import embcache_pb2 as pb
 from .rpc.v1 import embcache_pb2_grpc as pb_grpc
+from .tier import resident_row_bytes
 
 __all__ = [
     "Client",
@@ -85,6 +100,7 @@ __all__ = [
     "PermissionDeniedError",
     "RemoteError",
     "RemoteFuture",
+    "RemoteLease",
     "UnauthenticatedError",
     "UnavailableError",
 ]
@@ -214,6 +230,294 @@ class _Part:
     positions: np.ndarray | None  # positions in the caller's batch; None: the whole batch, in order
     keys: np.ndarray
     values: np.ndarray | None
+
+
+_KEYSET_ROW_BYTES = 16  # a keyset key on the wire: the key and its count (int64 each)
+
+
+def _table_keyset(part: _Part) -> pb.TableKeyset:
+    assert part.values is not None
+    return pb.TableKeyset(table=part.table, keys=codec.encode_tensor(part.keys),
+                          counts=codec.encode_tensor(part.values))
+
+
+def _combine_prefetch(finals: Sequence[Any], tables: Sequence[str] = ()) -> dict[str, dict[str, float]]:
+    """Staging results of several shards, summed (seconds: the longest; shards stage in parallel)."""
+    out: dict[str, dict[str, float]] = {t: {"staged_rows": 0, "leased_rows": 0, "seconds": 0.0} for t in tables}
+    for final in finals:
+        for r in final.tables:
+            acc = out.setdefault(r.table, {"staged_rows": 0, "leased_rows": 0, "seconds": 0.0})
+            acc["staged_rows"] += r.staged_rows
+            acc["leased_rows"] += r.leased_rows
+            acc["seconds"] = max(acc["seconds"], r.seconds)
+    return out
+
+
+_LeaseState = pb.LeaseStatus.State
+_LEASE_WAIT_SECONDS = 2.0  # the longest a renewal waits on a server for staging to end
+_LEASE_RETRY_SECONDS = 0.5  # after a failed renewal
+
+
+@dataclass
+class _LeasePart:
+    """A lease on one shard; ``status`` is its final state (not STAGING) once a reply reported it."""
+
+    shard: _Shard
+    lease_id: str
+    ttl: float
+    status: pb.LeaseStatus | None = None  # the first final state reported; never changed after
+    gone: bool = False  # the server reported it unknown or cancelled: nothing left to renew or release
+    failing_since: float | None = None  # renewals of it have failed since then
+
+    @property
+    def held(self) -> bool:
+        """The server may still hold this lease's pins."""
+        return not self.gone
+
+
+class RemoteLease(PrefetchFuture):
+    """A batch lease held on the shards (:meth:`Client.prefetch_batch`); a :class:`~embcache.prefetch.PrefetchFuture`.
+
+    ``result()`` gives ``{table: {"staged_rows", "leased_rows", "seconds"}}`` summed over shards
+    once every shard has staged its keys; a shard's staging error is raised there with its
+    :mod:`embcache.errors` type. A lease a server no longer knows (it expired there: no renewal
+    reached it within its TTL; or the server restarted) ends the future with
+    :class:`UnavailableError`: its rows may not have stayed pinned.
+
+    ``release()`` unpins the rows on every shard (done when it returns) and keeps the result
+    coming; ``cancel()`` also stops the staging. Neither raises: a shard that cannot be reached
+    unpins the rows by itself when the lease's TTL runs out.
+    """
+
+    def __init__(self, keeper: _LeaseKeeper, parts: list[_LeasePart], tables: list[str]) -> None:
+        super().__init__(lambda _: None)
+        self._keeper = keeper
+        self._parts = parts
+        self._tables = tables
+        self._released = False  # changed under the keeper's lock
+
+    @property
+    def servers(self) -> list[str]:
+        """Addresses of the shards holding a part of this lease."""
+        return [p.shard.address for p in self._parts]
+
+    def release(self) -> None:
+        """Unpin this lease's rows on every shard (idempotent); the result still arrives."""
+        self._stop.set()
+        self._keeper.release(self, cancel=False)
+
+    def cancel(self) -> bool:
+        """Stop the staging on every shard and unpin its rows; True unless the future had already finished."""
+        self._stop.set()
+        stopped = Future.cancel(self)
+        self._keeper.release(self, cancel=True)
+        return stopped
+
+    def _outcome(self) -> tuple[bool, Any, BaseException | None]:
+        """``(ended, result, error)`` from the parts' reported states (called with the keeper's lock)."""
+        statuses = [p.status for p in self._parts]
+        if any(st is None for st in statuses):
+            return False, None, None
+        by_state: dict[int, tuple[_LeasePart, pb.LeaseStatus]] = {}
+        for p, st in zip(self._parts, statuses, strict=True):
+            assert st is not None
+            by_state.setdefault(st.state, (p, st))
+        error: BaseException | None = None
+        if _LeaseState.FAILED in by_state:  # the staging error says most
+            p, st = by_state[_LeaseState.FAILED]
+            error = error_from_name(st.error_type, st.error_message, p.shard.address)
+        elif _LeaseState.UNKNOWN in by_state:
+            p, _ = by_state[_LeaseState.UNKNOWN]
+            error = UnavailableError(f"batch lease {p.lease_id} is gone from server {p.shard.address} (no renewal "
+                                     f"reached it within its {p.ttl:g} s TTL, or the server restarted); its rows "
+                                     f"may not have stayed pinned", grpc.StatusCode.UNAVAILABLE, p.shard.address)
+        elif _LeaseState.CANCELLED in by_state:
+            error = CancelledError()
+        return True, _combine_prefetch(statuses, self._tables), error
+
+    def _end(self, result: Any, error: BaseException | None) -> None:
+        if isinstance(error, CancelledError):  # cancelled by a server stopping, as a closing cache cancels
+            Future.cancel(self)
+        else:
+            self._finish(result, error)
+
+
+class _LeaseKeeper:
+    """Renews a client's batch leases and learns how their staging ended, from one background thread.
+
+    Each round sends one ``RenewLeases`` per shard that holds leases of this client: at once for
+    a shard where some lease is staging (the server answers once one ends, or after at most 2 s),
+    else every third of the shortest TTL there. The thread runs only while leases are live.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._cond = threading.Condition()
+        self._leases: list[RemoteLease] = []
+        self._releasing: list[RemoteLease] = []  # leases whose release is being sent
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, lease: RemoteLease) -> None:
+        """Keep ``lease`` renewed until it has ended and been released.
+
+        Raises:
+            CacheClosedError: the client was closed (the lease is cancelled).
+        """
+        if not lease._parts:  # no shard owns a key of it: nothing is held
+            lease._end(_combine_prefetch([], lease._tables), None)
+            return
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self._leases.append(lease)
+        if closed:
+            lease.cancel()
+            raise CacheClosedError("the client is closed; create a new Client to continue")
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="embcache-client-leases", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _due(self, next_renew: dict[str, float], retry_at: dict[str, float]
+             ) -> tuple[dict[str, tuple[_Shard, list[_LeasePart], bool]], float]:
+        """Per shard due now: its parts to renew and whether one is staging; and the time until the next is due.
+
+        A shard is due when its renewal is (``next_renew``), or at once while a lease there is
+        staging, unless its last call failed (then from ``retry_at``).
+        """
+        now = time.monotonic()
+        per: dict[str, tuple[_Shard, list[_LeasePart], bool]] = {}
+        for lease in self._leases:
+            for part in lease._parts:
+                # pinned parts are renewed; released ones only until their outcome is known
+                if part.status is None or (not lease._released and part.held):
+                    shard, parts, staging = per.get(part.shard.name, (part.shard, [], False))
+                    parts.append(part)
+                    per[part.shard.name] = (shard, parts, staging or part.status is None)
+        when = {name: min(next_renew.get(name, 0.0), retry_at.get(name, 0.0)) if staging
+                else next_renew.get(name, 0.0) for name, (_, _, staging) in per.items()}
+        due = {name: entry for name, entry in per.items() if when[name] <= now}
+        return due, min((when[name] - now for name in per if name not in due), default=60.0)
+
+    def _run(self) -> None:
+        next_renew: dict[str, float] = {}
+        retry_at: dict[str, float] = {}
+        while True:
+            with self._cond:
+                self._leases = [le for le in self._leases if not (le.done() and (le._released or le.cancelled()))]
+                if self._closed or not self._leases:
+                    self._thread = None
+                    return
+                due, later = self._due(next_renew, retry_at)
+                if not due:
+                    self._cond.wait(max(later, 0.01))
+                    continue
+            self._renew(due, next_renew, retry_at)
+
+    def _renew(self, due: dict[str, tuple[_Shard, list[_LeasePart], bool]], next_renew: dict[str, float],
+               retry_at: dict[str, float]) -> None:
+        client = self._client
+        calls = []
+        for name, (shard, parts, staging) in due.items():
+            ttl = min(p.ttl for p in parts)
+            wait = min(ttl / 4, _LEASE_WAIT_SECONDS) if staging else 0.0
+            req = pb.RenewLeasesRequest(lease_ids=[p.lease_id for p in parts], wait_seconds=wait)
+            call = shard.stub.RenewLeases.future(req, timeout=wait + max(ttl / 3, 1.0), metadata=client._metadata,
+                                                 wait_for_ready=False)
+            calls.append((name, shard, parts, ttl, call))
+        for name, shard, parts, ttl, call in calls:
+            try:
+                reply = call.result()
+            except grpc.RpcError as err:
+                now = time.monotonic()
+                next_renew[name] = retry_at[name] = now + _LEASE_RETRY_SECONDS
+                # past its TTL without a renewal the server has dropped it: stop asking
+                gone = []
+                first = any(p.failing_since is None for p in parts)
+                for p in parts:
+                    p.failing_since = p.failing_since if p.failing_since is not None else now
+                    if now - p.failing_since > p.ttl:
+                        gone.append(p)
+                log.log(logging.INFO if first or gone else logging.DEBUG,  # once per outage, not every 0.5 s
+                        "renewing %d batch lease(s) on %s failed (%s: %s)%s", len(parts), shard.address,
+                        err.code().name, err.details(), f"; {len(gone)} given up" if gone else "; trying again")
+                if gone:
+                    self._apply(gone, [pb.LeaseStatus(lease_id=p.lease_id, state=_LeaseState.UNKNOWN) for p in gone])
+                continue
+            for p in parts:
+                p.failing_since = None
+            retry_at.pop(name, None)
+            next_renew[name] = time.monotonic() + ttl / 3
+            self._apply(parts, list(reply.leases))
+
+    def _apply(self, parts: list[_LeasePart], statuses: list[pb.LeaseStatus]) -> None:
+        """Record the final states the servers reported, and end the leases whose every part has one."""
+        ended = []
+        with self._cond:
+            for part, st in zip(parts, statuses, strict=False):
+                if st.lease_id != part.lease_id or st.state == _LeaseState.STAGING:
+                    continue
+                if part.status is None:
+                    part.status = st
+                if st.state in (_LeaseState.UNKNOWN, _LeaseState.CANCELLED):
+                    part.gone = True
+            owners = {id(le): le for le in self._leases}
+            owners.update({id(le): le for le in self._releasing})
+            for lease in owners.values():
+                if not lease.done():
+                    done, result, error = lease._outcome()
+                    if done:
+                        ended.append((lease, result, error))
+            self._cond.notify_all()
+        for lease, result, error in ended:  # outside the lock: callbacks may call back into the client
+            lease._end(result, error)
+        if ended:
+            with self._cond:
+                self._cond.notify_all()  # the thread forgets the released ones now
+
+    def release(self, lease: RemoteLease, cancel: bool) -> None:
+        """Send ReleaseLeases for ``lease`` to its shards; never raises (a failure is logged)."""
+        with self._cond:
+            if lease._released and not cancel:
+                return
+            lease._released = True
+            parts = [p for p in lease._parts if p.held]
+            self._releasing.append(lease)
+        try:
+            by_shard: dict[str, tuple[_Shard, list[_LeasePart]]] = {}
+            for p in parts:
+                by_shard.setdefault(p.shard.name, (p.shard, []))[1].append(p)
+            calls = [(shard, "ReleaseLeases",
+                      pb.ReleaseLeasesRequest(lease_ids=[p.lease_id for p in ps], cancel=cancel))
+                     for shard, ps in by_shard.values()]
+            try:
+                outcomes = self._client._fanout_outcomes(calls, idempotent=True) if calls else []
+            except EmbcacheError as exc:  # the client is closed
+                outcomes = [exc] * len(calls)
+            for (shard, ps), outcome in zip(by_shard.values(), outcomes, strict=True):
+                if isinstance(outcome, pb.ReleaseLeasesResponse):
+                    self._apply(ps, list(outcome.leases))
+                    continue
+                why = error_from_rpc(outcome, shard.address) if isinstance(outcome, grpc.RpcError) else outcome
+                log.warning("releasing batch lease(s) %s on %s failed: %s; the server unpins their rows when "
+                            "their TTL (%g s) runs out", [p.lease_id for p in ps], shard.address, why,
+                            min(p.ttl for p in ps))
+            self._apply([], [])  # a lease with no part left to hear from ends now
+        finally:
+            with self._cond:
+                self._releasing.remove(lease)
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Cancel every live lease on its shards (best effort) and stop the thread; later leases are refused."""
+        with self._cond:
+            self._closed = True
+            live = [le for le in self._leases if not le._released or not le.done()]
+            self._cond.notify_all()
+        for lease in live:
+            lease.cancel()
 
 
 def _read_pem(value: str | bytes | None) -> bytes | None:
@@ -358,6 +662,9 @@ class Client:
             and :meth:`refresh_shards` keeps the current shards while it does not. Without it
             the shards are whatever the name gives at that moment, and the key-to-shard map
             with them. For a list or mapping, a different count is a ValueError.
+        lease_ttl: time-to-live of the batch leases of :meth:`prefetch_batch`, seconds (default
+            30; the servers cap it at their ``--max-lease-seconds``): the client renews them
+            every third of it; if this process dies, the servers unpin their rows after it.
 
     DNS targets are resolved when the client is made, not on every call; :meth:`refresh_shards`
     resolves again (e.g. after a shard was added) and moves keys to the new map.
@@ -366,7 +673,15 @@ class Client:
         UnavailableError, DeadlineExceededError: a shard could not be reached within ``connect_timeout``,
             or a ``dns:///`` name did not resolve to ``expected_shards`` addresses in that time.
         UnauthenticatedError, PermissionDeniedError: the servers refused the credentials.
-        ValueError: a malformed target, a name that does not resolve, or a list of the wrong length.
+        ValueError: a malformed target, a name that does not resolve, a list of the wrong length,
+            or ``lease_ttl`` not positive.
+
+    Not offered (``EmbeddingCache`` has them): ``config``, because a fleet has no one
+    :class:`~embcache.CacheConfig`: every shard has its own path, tier sizes and device (see
+    :meth:`shard_stats` for their capacities, :meth:`capacity_rows` for the totals); and
+    ``restore``, because a checkpoint is restored where its store lives: run
+    ``EmbeddingCache.restore(shard_checkpoint, CacheConfig(path=...))`` on each shard's
+    machine and start ``embcache-server --path`` there (a client cannot move a store).
     """
 
     def __init__(self, servers: str | Sequence[str] | Mapping[str, str], *, timeout: float = 60.0,
@@ -375,9 +690,11 @@ class Client:
                  token: str | None = None, tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
                  tls_key: str | bytes | None = None, tls_server_name: str | None = None,
                  max_message_bytes: int = 64 << 20, vnodes: int = 256, resolver: Resolver = socket.getaddrinfo,
-                 expected_shards: int | None = None) -> None:
+                 expected_shards: int | None = None, lease_ttl: float = 30.0) -> None:
         if expected_shards is not None and expected_shards < 1:
             raise ValueError(f"expected_shards must be >= 1, got {expected_shards}")
+        if not 0 < lease_ttl < float("inf"):
+            raise ValueError(f"lease_ttl must be a positive number of seconds, got {lease_ttl}")
         self._dns_target = servers if isinstance(servers, str) and servers.startswith("dns:///") else None
         self._resolver, self._expected_shards = resolver, expected_shards
         if self._dns_target is not None:
@@ -412,6 +729,8 @@ class Client:
         self._max_batch_keys = 1 << 24
         self._reject_nonfinite = True
         self._closed = False
+        self._lease_ttl = float(lease_ttl)
+        self._leases = _LeaseKeeper(self)
         try:
             self._refresh_tables(timeout=connect_timeout)
         except BaseException:
@@ -479,7 +798,9 @@ class Client:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Close the channels (the servers keep running). Idempotent."""
+        """Cancel the batch leases still held, then close the channels (the servers keep running). Idempotent."""
+        if not self._closed:
+            self._leases.close()
         self._closed = True
         for shard in [*self._topo.shards, *self._retired]:
             shard.channel.close()
@@ -544,6 +865,36 @@ class Client:
         Raises:
             The embcache error of the first call that failed for good.
         """
+        outcomes = self._fanout_outcomes(calls, idempotent, timeout, stop_on_failure=True)
+        errors = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, grpc.RpcError)]
+        if errors:  # a failure for good says more than one that was still being resent
+            i, err = next(((i, e) for i, e in errors if not self._resendable(e, idempotent)), errors[0])
+            raise error_from_rpc(err, calls[i][0].address) from None
+        return outcomes
+
+    def _resendable(self, err: grpc.RpcError, idempotent: bool) -> bool:
+        """Whether a failed call is safe to send again.
+
+        UNAVAILABLE: not reached, or refused; CANCELLED (by this client only when it is closed): a
+        server that stopped as the call arrived. Safe only when the call is idempotent, or when the
+        server said it had no effect (UNAVAILABLE marked not applied: a draining server).
+        """
+        code = err.code()
+        return not self._closed and (
+            (idempotent and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED))
+            or (code == grpc.StatusCode.UNAVAILABLE and not_applied(err)))
+
+    def _log_resend(self, shard: _Shard, method: str, attempt: int, why: grpc.RpcError) -> None:
+        log.info("resending %s to %s (retry %d of %d) after %s%s: %s", method, shard.address, attempt + 1,
+                 self._retries, why.code().name, " (not applied)" if not_applied(why) else "", why.details())
+
+    def _fanout_outcomes(self, calls: list[tuple[_Shard, str, Any]], idempotent: bool, timeout: float | None = None,
+                         stop_on_failure: bool = False) -> list[Any]:
+        """Run calls as :meth:`_fanout` does, resending what is safe; each call's reply or its final ``RpcError``.
+
+        With ``stop_on_failure``, a call failing for good ends the resending of the others (the
+        caller raises); otherwise every call is resent while it is safe and time and retries allow.
+        """
         self._check_open()
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
         results: list[Any] = [None] * len(calls)
@@ -555,48 +906,58 @@ class Client:
             else:
                 futures = [(i, self._start(*calls[i], deadline)) for i in todo]
             retry: dict[int, grpc.RpcError] = {}
-            failed: tuple[int, grpc.RpcError] | None = None
+            failed = False
             for i, fut in futures:
                 try:
                     results[i] = fut.result()
                 except grpc.RpcError as err:
-                    code = err.code()
-                    # UNAVAILABLE: not reached, or refused; CANCELLED (by this client only when it is
-                    # closed): a server that stopped as the call arrived. Only safe to resend when
-                    # idempotent, or when the server said the call had no effect.
-                    resend = not self._closed and (
-                        (idempotent and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED))
-                        or (code == grpc.StatusCode.UNAVAILABLE and not_applied(err)))
-                    if resend and attempt < self._retries:
+                    results[i] = err
+                    if self._resendable(err, idempotent) and attempt < self._retries:
                         retry[i] = err
-                    elif failed is None:
-                        failed = (i, err)
-            if failed is None and retry:
-                if self._sleep_backoff(attempt, deadline):
-                    for i, why in retry.items():
-                        shard, method, _ = calls[i]
-                        log.info("resending %s to %s (retry %d of %d) after %s%s: %s", method, shard.address,
-                                 attempt + 1, self._retries, why.code().name,
-                                 " (not applied)" if not_applied(why) else "", why.details())
-                    todo, attempt = list(retry), attempt + 1
-                    continue
-                failed = next(iter(retry.items()))
-            if failed is not None:
-                raise error_from_rpc(failed[1], calls[failed[0]][0].address) from None
+                    else:
+                        failed = True
+            if retry and not (failed and stop_on_failure) and self._sleep_backoff(attempt, deadline):
+                for i, why in retry.items():
+                    self._log_resend(calls[i][0], calls[i][1], attempt, why)
+                todo, attempt = list(retry), attempt + 1
+                continue
             return results
 
+    def _stream(self, shard: _Shard, method: str, request: Any, deadline: float) -> Any:
+        """Start a server-streaming call (a list of requests: a bidirectional stream of them)."""
+        body = iter(request) if isinstance(request, list) else request
+        return getattr(shard.stub, method)(body, timeout=max(deadline - time.monotonic(), 0.001),
+                                           metadata=self._metadata, wait_for_ready=self._wait)
+
     def _open_streams(self, calls: list[tuple[_Shard, str, Any]], timeout: float) -> list[Any]:
-        """Start server-streaming calls and read each one's first message (errors raise here)."""
+        """Start server-streaming calls and read each one's first message (errors raise here).
+
+        A call the server refused before it had any effect (UNAVAILABLE marked not applied, as a
+        draining server refuses) is started again, with backoff, within ``retries`` and the
+        deadline; any other failure cancels every stream and raises.
+        """
         self._check_open()
-        streams = [getattr(shard.stub, method)(request, timeout=timeout, metadata=self._metadata,
-                                               wait_for_ready=self._wait) for shard, method, request in calls]
-        for (shard, _, _), call in zip(calls, streams, strict=True):
-            try:
-                next(call)
-            except grpc.RpcError as err:
-                for other in streams:
-                    other.cancel()
-                raise error_from_rpc(err, shard.address) from None
+        deadline = time.monotonic() + timeout
+        streams = [self._stream(*call, deadline) for call in calls]
+        try:
+            for i, (shard, method, request) in enumerate(calls):
+                attempt = 0
+                while True:
+                    try:
+                        next(streams[i])
+                        break
+                    except grpc.RpcError as err:
+                        if (attempt < self._retries and self._resendable(err, idempotent=False)
+                                and self._sleep_backoff(attempt, deadline)):
+                            self._log_resend(shard, method, attempt, err)
+                            attempt += 1
+                            streams[i] = self._stream(shard, method, request, deadline)
+                            continue
+                        raise error_from_rpc(err, shard.address) from None
+        except BaseException:
+            for other in streams:
+                other.cancel()
+            raise
         return streams
 
     def _finish_streams(self, streams: list[Any], calls: list[tuple[_Shard, str, Any]],
@@ -853,20 +1214,40 @@ class Client:
             self._fanout(calls, idempotent=False)
 
     # ------------------------------------------------------------------ passes
-    def _keyset_calls(self, keysets: Mapping[str, Any], method: str, make: Callable[[list[pb.TableKeyset]], Any]
-                      ) -> list[tuple[_Shard, str, Any]]:
+    def _keyset_calls(self, keysets: Mapping[str, Any], method: str, make: Callable[[list[pb.TableKeyset]], Any],
+                      every_shard: bool = True) -> list[tuple[_Shard, str, Any]]:
+        """One call per shard carrying its part of each keyset.
+
+        A shard's part that fits in one message goes in the unary ``method`` (empty tables
+        included, so every shard sees every table); a larger one is cut into chunks of at most
+        the message limit (16 bytes per key: the key and its count) and sent over
+        ``method + "Stream"``, which the server merges into one request. ``every_shard=False``
+        leaves out the shards that own no key.
+        """
         ks = as_keysets(keysets)
         self._dims(list(ks))
         topo = self._topo
-        per_shard: list[list[pb.TableKeyset]] = [[] for _ in topo.shards]
+        per_shard: list[list[_Part]] = [[] for _ in topo.shards]
         for table, keyset in ks.items():
             keys, counts = keyset.keys.numpy(), keyset.counts.numpy()
-            positions = [None] if len(topo.shards) == 1 else topo.ring.split(keys)
-            for i, pos in enumerate(positions):
-                k, c = (keys, counts) if pos is None else (keys[pos], counts[pos])
-                per_shard[i].append(pb.TableKeyset(table=table, keys=codec.encode_tensor(k),
-                                                   counts=codec.encode_tensor(c)))
-        return [(s, method, make(parts)) for s, parts in zip(topo.shards, per_shard, strict=True)]
+            if len(topo.shards) == 1:
+                per_shard[0].append(_Part(table, None, keys, counts))
+                continue
+            for i, pos in enumerate(topo.ring.split(keys)):  # ascending positions: each part stays ascending
+                per_shard[i].append(_Part(table, pos, keys[pos], counts[pos]))
+        budget = max(self._max_message - _MESSAGE_MARGIN, 1 << 15)
+        calls: list[tuple[_Shard, str, Any]] = []
+        for shard, parts in zip(topo.shards, per_shard, strict=True):
+            n = sum(p.keys.shape[0] for p in parts)
+            if n == 0 and not every_shard:
+                continue
+            if n * _KEYSET_ROW_BYTES <= budget:
+                calls.append((shard, method, make([_table_keyset(p) for p in parts])))
+                continue
+            chunks = self._chunks([p for p in parts if p.keys.size], {t: _KEYSET_ROW_BYTES for t in ks})
+            chunks[0] += [p for p in parts if not p.keys.size]
+            calls.append((shard, f"{method}Stream", [make([_table_keyset(p) for p in chunk]) for chunk in chunks]))
+        return calls
 
     def prefetch(self, keysets: Mapping[str, Keyset | Any]) -> RemoteFuture:
         """Stage the rows of the next pass on every shard in the background.
@@ -874,30 +1255,24 @@ class Client:
         Returns once every shard has started staging (bad input raises here); the future's
         result is ``{table: {"staged_rows", "leased_rows", "seconds"}}`` summed over shards.
         ``cancel()`` stops the staging and releases its rows. The next :meth:`begin_pass`
-        adopts what was staged.
+        adopts what was staged. A shard's keyset above the message limit is sent in chunks
+        (``PrefetchStream``) and staged as one prefetch. A shard that refuses the call before it
+        had any effect (a draining server) is asked again, within ``retries`` and the deadline.
 
         Raises:
             UnknownTableError, InvalidKeysError, UnavailableError, DeadlineExceededError.
         """
         calls = self._keyset_calls(keysets, "Prefetch", lambda p: pb.PrefetchRequest(keysets=p, wait=True))
         streams = self._open_streams(calls, self._long_timeout)
-
-        def combine(finals: list[pb.PrefetchResponse]) -> dict[str, dict[str, float]]:
-            out: dict[str, dict[str, float]] = {}
-            for final in finals:
-                for r in final.tables:
-                    acc = out.setdefault(r.table, {"staged_rows": 0, "leased_rows": 0, "seconds": 0.0})
-                    acc["staged_rows"] += r.staged_rows
-                    acc["leased_rows"] += r.leased_rows
-                    acc["seconds"] = max(acc["seconds"], r.seconds)  # shards stage in parallel
-            return out
-
-        return self._finish_streams(streams, calls, combine)
+        return self._finish_streams(streams, calls, _combine_prefetch)
 
     def begin_pass(self, keysets: Mapping[str, Keyset | Any]) -> dict[str, dict[str, int]]:
         """Make a pass's keyset resident and pinned on every shard (each gets the keys it owns).
 
-        If some shard refuses, the shards that began are ended again, so no pass is left half begun.
+        A shard's keyset above the message limit is sent in chunks (``BeginPassStream``) and begun
+        as one pass. A shard that refuses the call before it had any effect (a draining server)
+        is asked again, within ``retries`` and the deadline. If some shard still refuses, the
+        shards that began are ended again, so no pass is left half begun.
 
         Returns:
             ``{table: {"keyset_rows": n, "pinned_rows": m}}`` summed over shards.
@@ -906,27 +1281,19 @@ class Client:
             PassStateError, UnknownTableError, InvalidKeysError, StoreError, UnavailableError.
         """
         calls = self._keyset_calls(keysets, "BeginPass", lambda p: pb.BeginPassRequest(keysets=p))
-        self._check_open()
-        deadline = time.monotonic() + self._long_timeout
-        futures = [self._start(shard, method, req, deadline) for shard, method, req in calls]
-        replies: list[Any] = []
-        failed: EmbcacheError | None = None
-        began: list[_Shard] = []
-        for (shard, _, _), fut in zip(calls, futures, strict=True):
-            try:
-                replies.append(fut.result())
-                began.append(shard)
-            except grpc.RpcError as err:
-                failed = failed or error_from_rpc(err, shard.address)
-        if failed is not None:
-            for shard in began:  # undo: best effort, the original error is what the caller needs
-                try:
+        outcomes = self._fanout_outcomes(calls, idempotent=False, timeout=self._long_timeout)
+        failed = [(shard, o) for (shard, _, _), o in zip(calls, outcomes, strict=True) if isinstance(o, grpc.RpcError)]
+        if failed:
+            for (shard, _, _), o in zip(calls, outcomes, strict=True):
+                if isinstance(o, grpc.RpcError):
+                    continue
+                try:  # undo: best effort, the original error is what the caller needs
                     self._open_streams([(shard, "EndPass", pb.EndPassRequest(wait=False))], self._timeout)
                 except EmbcacheError:
                     pass
-            raise failed
+            raise error_from_rpc(failed[0][1], failed[0][0].address)
         out: dict[str, dict[str, int]] = {}
-        for reply in replies:
+        for reply in outcomes:
             for r in reply.tables:
                 acc = out.setdefault(r.table, {"keyset_rows": 0, "pinned_rows": 0})
                 acc["keyset_rows"] += r.keyset_rows
@@ -935,6 +1302,9 @@ class Client:
 
     def end_pass(self) -> RemoteFuture:
         """Unpin the pass's rows on every shard (done when this returns); write-back goes on in the background.
+
+        A shard that refuses the call before it had any effect (a draining server) is asked
+        again, within ``retries`` and the deadline.
 
         Returns:
             A future of the number of rows written back, summed over shards.
@@ -945,6 +1315,41 @@ class Client:
         calls = [(s, "EndPass", pb.EndPassRequest(wait=True)) for s in self._topo.shards]
         streams = self._open_streams(calls, self._long_timeout)
         return self._finish_streams(streams, calls, lambda finals: sum(int(f.written_rows) for f in finals))
+
+    # ------------------------------------------------------------------ batch leases
+    def prefetch_batch(self, keysets: Mapping[str, Keyset | Any]) -> RemoteLease:
+        """Stage the rows of one upcoming batch on the shards that own them, and lease them until ``release()``.
+
+        As :meth:`EmbeddingCache.prefetch_batch`: each shard stages its keys in the background
+        and pins them until the returned future's ``release()`` or ``cancel()``, so
+        :class:`~embcache.LookAhead` runs over a client unchanged. The servers hold the lease by
+        id with a time-to-live (``lease_ttl``); this client renews its leases from one background
+        thread (one call per shard every third of the TTL, or a bounded wait while staging runs),
+        so a crashed or cut-off client pins rows at most for the TTL. Release every lease (as
+        ``LookAhead`` does): a lease neither released nor cancelled stays pinned while the client
+        lives. A shard's keys above the message limit go in chunks (``PrefetchBatchStream``).
+
+        Returns:
+            A :class:`RemoteLease` (a :class:`~embcache.prefetch.PrefetchFuture`); its result is
+            ``{table: {"staged_rows", "leased_rows", "seconds"}}`` summed over shards.
+
+        Raises:
+            UnknownTableError, InvalidKeysError, UnavailableError, DeadlineExceededError (the
+            shards that had granted the lease are told to cancel it).
+        """
+        ks = as_keysets(keysets)
+        calls = self._keyset_calls(ks, "PrefetchBatch", lambda p: pb.PrefetchBatchRequest(
+            keysets=p, ttl_seconds=self._lease_ttl), every_shard=False)
+        outcomes = self._fanout_outcomes(calls, idempotent=False) if calls else []
+        parts = [_LeasePart(shard, o.lease_id, o.ttl_seconds or self._lease_ttl)
+                 for (shard, _, _), o in zip(calls, outcomes, strict=True) if not isinstance(o, grpc.RpcError)]
+        lease = RemoteLease(self._leases, parts, list(ks))
+        failed = [(shard, o) for (shard, _, _), o in zip(calls, outcomes, strict=True) if isinstance(o, grpc.RpcError)]
+        if failed:
+            lease.cancel()
+            raise error_from_rpc(failed[0][1], failed[0][0].address)
+        self._leases.add(lease)
+        return lease
 
     # ------------------------------------------------------------------ durability and inspection
     def flush(self) -> None:
@@ -985,4 +1390,54 @@ class Client:
         """``stats()`` of each shard, in :attr:`servers` order."""
         replies = self._fanout([(s, "Stats", pb.StatsRequest()) for s in self._topo.shards], idempotent=True)
         return [json.loads(r.json) for r in replies]
+
+    def row_bytes(self, table: str) -> int:
+        """Bytes of memory one resident row of ``table`` costs (weights, optimizer state, bookkeeping, key index).
+
+        Computed from the table's definition by the formula every server of this version uses
+        (``EmbeddingCache.row_bytes``), e.g. to size passes with ``embcache.keyset.split_passes``.
+
+        Raises:
+            UnknownTableError.
+        """
+        self._dims([table])
+        with self._lock:
+            cfg = self._tables[table]
+        return resident_row_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim))
+
+    def capacity_rows(self, table: str) -> dict[str, int]:
+        """Rows of ``table`` each memory tier can hold, summed over shards: ``{"hbm": n, "ddr": m}``.
+
+        Raises:
+            UnknownTableError, UnavailableError, DeadlineExceededError.
+        """
+        self._dims([table])
+        per = [s.get(table) for s in self.shard_stats()]
+        if any(p is None for p in per):
+            raise UnknownTableError(f"table {table!r} is missing on a shard; create it through this client")
+        return {tier: sum(int(p[tier]["capacity_rows"]) for p in per if p is not None) for tier in ("hbm", "ddr")}
+
+    def resident_keys(self, table: str, tier: str) -> torch.Tensor:
+        """Keys (int64, CPU) of ``table`` resident in ``tier`` ("hbm" or "ddr") on any shard, for inspection.
+
+        The shards' keys concatenated in :attr:`servers` order (each shard's in no particular
+        order); each shard streams them in chunks below the message limit.
+
+        Raises:
+            ConfigError: ``tier`` is not "hbm" or "ddr". UnknownTableError, UnavailableError.
+        """
+        if tier not in ("hbm", "ddr"):
+            raise ConfigError(f"tier must be 'hbm' or 'ddr', got {tier!r}")
+        self._dims([table])
+        shards = self._topo.shards
+        calls = [(s, "ResidentKeys", pb.ResidentKeysRequest(table=table, tier=tier)) for s in shards]
+        deadline = time.monotonic() + self._timeout
+        out: list[np.ndarray] = []
+        for shard, call in [(s, self._stream(s, m, r, deadline)) for s, m, r in calls]:
+            try:
+                out += [codec.decode_tensor(m.keys, f"resident keys from {shard.address}", InvalidKeysError,
+                                            ("int64",), 1) for m in call]
+            except grpc.RpcError as err:
+                raise error_from_rpc(err, shard.address) from None
+        return torch.from_numpy(np.concatenate(out).astype(np.int64) if out else np.empty(0, dtype=np.int64))
 

@@ -14,14 +14,11 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from .cache import EmbeddingCache
-
-__all__ = ["LookAhead", "PrefetchFuture"]
+__all__ = ["BatchStager", "LookAhead", "PrefetchFuture"]
 
 T = TypeVar("T")
 
@@ -72,11 +69,20 @@ class PrefetchFuture(Future):  # type: ignore[type-arg]
             pass
 
 
+class BatchStager(Protocol):
+    """What :class:`LookAhead` needs of a cache: ``prefetch_batch`` (an EmbeddingCache or an embcache.Client)."""
+
+    def prefetch_batch(self, keysets: Mapping[str, Any]) -> PrefetchFuture:
+        """Stage and lease the rows of one batch; the lease is held until ``release()`` or ``cancel()``."""
+        ...
+
+
 class LookAhead(Generic[T]):
     """Iterate over ``batches`` while the rows of the next ``depth`` batches are staged and leased.
 
     Args:
-        cache: an :class:`~embcache.EmbeddingCache`.
+        cache: an :class:`~embcache.EmbeddingCache`, or an :class:`~embcache.Client` (the servers
+            hold the leases; see :meth:`~embcache.Client.prefetch_batch`).
         batches: the loader (any iterable).
         keys_of: ``fn(batch) -> {table: keys}``, the keys the batch will look up.
         depth: batches staged ahead (>= 1).
@@ -106,7 +112,7 @@ class LookAhead(Generic[T]):
         The staging error of a batch (a ``StoreError``, say), as described above.
     """
 
-    def __init__(self, cache: EmbeddingCache, batches: Iterable[T],
+    def __init__(self, cache: BatchStager, batches: Iterable[T],
                  keys_of: Callable[[T], Mapping[str, Any]], depth: int = 2, wait: bool = False) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")

@@ -11,8 +11,12 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import re
+import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -26,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from embcache import CacheConfig, EmbeddingCache, Keyset, TableConfig
+from embcache import CacheConfig, EmbeddingCache, Keyset, LookAhead, TableConfig
 from embcache.client import (
     Client,
     DeadlineExceededError,
@@ -38,6 +42,7 @@ from embcache.client import (
 from embcache.errors import (
     BatchTooLargeError,
     CheckpointExistsError,
+    ConfigError,
     InvalidGradientError,
     InvalidKeysError,
     InvalidRowsError,
@@ -85,6 +90,18 @@ def three_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Loca
         s.stop()
 
 
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
+    """One server with a 64 KiB message limit and room for tens of thousands of rows: keysets of many messages."""
+    base = tmp_path_factory.mktemp("roomy")
+    server = LocalServer(base / "store", args=["--hbm-bytes", "3000000", "--ddr-bytes", "6000000", "--store", "rocksdb",
+                                               "--max-message-bytes", "65536"], metrics=True, workdir=base / "run",
+                         start_timeout=START_TIMEOUT)
+    _start_all([server])
+    yield server
+    server.stop()
+
+
 @pytest.fixture(params=[1, 3], ids=["1shard", "3shards"])
 def client(request: pytest.FixtureRequest) -> Iterator[Client]:
     servers = ([request.getfixturevalue("one_shard")] if request.param == 1
@@ -115,11 +132,22 @@ def _keys(rng: np.random.Generator, n: int) -> np.ndarray:
     return keys
 
 
-def _rpc_count(server: LocalServer, method: str) -> int:
+def _pinned(c: Client, table: str) -> int:
+    """Rows of ``table`` pinned on all shards (by passes, prefetches and leases)."""
+    s = c.stats()[table]
+    return int(s["hbm"]["pinned_rows"] + s["ddr"]["pinned_rows"])
+
+
+def _rpc_count(server: LocalServer, method: str, code: str = "OK") -> int:
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    pattern = rf'embcache_rpc_request_duration_seconds_count\{{code="OK",method="{method}"\}} ([0-9.e+]+)'
+    pattern = rf'embcache_rpc_request_duration_seconds_count\{{code="{code}",method="{method}"\}} ([0-9.e+]+)'
     m = re.search(pattern, text)
     return int(float(m.group(1))) if m else 0
+
+
+def _streams_served(server: LocalServer, method: str) -> int:
+    """Server-streaming calls counted as OK, or CANCELLED when the client dropped the call after its last reply."""
+    return _rpc_count(server, method) + _rpc_count(server, method, "CANCELLED")
 
 
 # ---------------------------------------------------------------------- differential
@@ -250,6 +278,201 @@ def test_pass_protocol_through_the_client(client: Client) -> None:
     client.end_pass().result(timeout=60)
 
 
+def test_keysets_above_the_message_limit_are_chunked_and_the_pass_is_exact(roomy: LocalServer,
+                                                                          tmp_path: Path) -> None:
+    """A keyset five times the 64 KiB limit goes in chunks (PrefetchStream, BeginPassStream) and the pass
+    stages, pins, places and serves exactly as an embedded cache of the same capacities given it whole."""
+    (cfg,) = _tables((8, "adagrad"))
+    with Client([roomy.address], timeout=120) as c:
+        c.create_table(cfg)
+        cap, rb = c.capacity_rows(cfg.name), c.row_bytes(cfg.name)
+        ref = EmbeddingCache(CacheConfig(path=str(tmp_path / "ref"), hbm_bytes=cap["hbm"] * rb,
+                                         ddr_bytes=cap["ddr"] * rb, device="cpu"), [cfg])
+        try:
+            assert ref.capacity_rows(cfg.name) == cap and ref.row_bytes(cfg.name) == rb
+            rng = np.random.default_rng(7)
+            keys = np.unique(rng.integers(-2**62, 2**62, 20_000))
+            counts = np.minimum(rng.zipf(1.5, keys.size), 10**6).astype(np.int64)
+            ks = Keyset(torch.from_numpy(keys), torch.from_numpy(counts))
+            assert keys.size * 16 > 4 * 65536, "several messages' worth of keys and counts"
+            assert cap["hbm"] < keys.size <= cap["hbm"] + cap["ddr"], "the hottest in HBM, the rest in DDR"
+            warm = rng.choice(keys, 3000)  # some history, so staging meets resident rows
+            assert torch.equal(c.lookup(cfg.name, warm), ref.lookup(cfg.name, torch.from_numpy(warm)))
+            streams = {"PrefetchStream": _streams_served(roomy, "PrefetchStream"),
+                       "BeginPassStream": _rpc_count(roomy, "BeginPassStream")}
+
+            got_pf, want_pf = c.prefetch({cfg.name: ks}).result(timeout=120), ref.prefetch({cfg.name: ks}).result(60)
+            assert [got_pf[cfg.name][k] for k in ("staged_rows", "leased_rows")] == \
+                [want_pf[cfg.name][k] for k in ("staged_rows", "leased_rows")]
+            report = c.begin_pass({cfg.name: ks})
+            assert report == ref.begin_pass({cfg.name: ks})
+            assert report[cfg.name] == {"keyset_rows": keys.size, "pinned_rows": keys.size}
+            deadline = time.monotonic() + 30  # a stream's call is counted once it ends, just after its last reply
+            while _streams_served(roomy, "PrefetchStream") == streams["PrefetchStream"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _streams_served(roomy, "PrefetchStream") - streams["PrefetchStream"] == 1
+            assert _rpc_count(roomy, "BeginPassStream") - streams["BeginPassStream"] == 1
+            got, want = c.stats()[cfg.name], ref.stats()[cfg.name]
+            for tier in ("hbm", "ddr"):
+                assert got[tier]["resident_rows"] == want[tier]["resident_rows"]
+                assert got[tier]["pinned_rows"] == want[tier]["pinned_rows"]
+                # each tier holds the same keys (ResidentKeys streams them in chunks below the limit)
+                assert torch.equal(torch.sort(c.resident_keys(cfg.name, tier)).values,
+                                   torch.sort(ref.resident_keys(cfg.name, tier)).values), tier
+            assert got["pass"]["keyset_rows"] == want["pass"]["keyset_rows"] == keys.size
+
+            # training within the pass, inside and outside the keyset, gives the embedded cache's rows
+            for step in range(3):
+                batch = np.concatenate([rng.choice(keys, 4000), rng.integers(0, 1000, 50)])
+                rows = c.lookup(cfg.name, batch)
+                assert torch.equal(rows, ref.lookup(cfg.name, torch.from_numpy(batch))), step
+                grads = torch.sin(rows) + 0.1
+                c.apply_gradients(cfg.name, batch, grads)
+                ref.apply_gradients(cfg.name, torch.from_numpy(batch), grads)
+            got, want = c.stats()[cfg.name], ref.stats()[cfg.name]
+            assert got["pass"]["outside_keyset"] == want["pass"]["outside_keyset"] == 150
+            c.end_pass().result(timeout=120)
+            ref.end_pass().result(60)
+            assert _pinned(c, cfg.name) == 0
+            assert torch.equal(c.lookup(cfg.name, keys), ref.lookup(cfg.name, torch.from_numpy(keys)))
+        finally:
+            ref.close()
+            if c.stats()[cfg.name]["pass"]["active"]:  # failed within the pass: leave the server usable
+                c.end_pass().result(timeout=120)
+
+
+def test_lookahead_over_the_client_gives_the_rows_of_the_embedded_cache(client: Client, tmp_path: Path) -> None:
+    """LookAhead leases each upcoming batch on the servers; training through it gives the same rows, and
+    nothing stays pinned after the loop, however it ends."""
+    (cfg,) = _tables((8, "adagrad"))
+    client.create_table(cfg)
+    ref = EmbeddingCache(CacheConfig(path=str(tmp_path / "ref"), hbm_bytes=10_000, ddr_bytes=20_000, device="cpu"),
+                         [cfg])
+    servers = client_servers(client)
+    rng = np.random.default_rng(11)
+    batches = [_keys(rng, 300) for _ in range(10)]
+    leases = sum(_rpc_count(s, "PrefetchBatch") for s in servers)
+    try:
+        for wait in (False, True):
+            seen = 0
+            for keys in LookAhead(client, batches, lambda b: {cfg.name: b}, depth=2, wait=wait):
+                rows = client.lookup(cfg.name, keys)
+                assert torch.equal(rows, ref.lookup(cfg.name, torch.from_numpy(keys))), (wait, seen)
+                grads = torch.sin(rows) + 0.1
+                client.apply_gradients(cfg.name, keys, grads)
+                ref.apply_gradients(cfg.name, torch.from_numpy(keys), grads)
+                seen += 1
+            assert seen == len(batches)
+            assert _pinned(client, cfg.name) == 0, wait
+        every = np.unique(np.concatenate(batches))
+        assert torch.equal(client.lookup(cfg.name, every), ref.lookup(cfg.name, torch.from_numpy(every)))
+        # one lease per batch on each shard that owns some of its keys
+        assert sum(_rpc_count(s, "PrefetchBatch") for s in servers) - leases >= 2 * len(batches)
+        for i, _ in enumerate(LookAhead(client, batches, lambda b: {cfg.name: b}, depth=3)):
+            if i == 2:
+                break  # leaving early cancels the leases of the batches not reached
+        assert _pinned(client, cfg.name) == 0
+    finally:
+        ref.close()
+
+
+_HOLDER = """
+import sys, time
+import numpy as np
+from embcache import Client
+c = Client([sys.argv[1]], lease_ttl=float(sys.argv[3]), timeout=120)
+c.prefetch_batch({sys.argv[2]: np.arange(int(sys.argv[4]))}).result(timeout=120)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_lease_is_released_by_release_cancel_and_its_ttl(roomy: LocalServer, tmp_path: Path) -> None:
+    (cfg,) = _tables((4, "sgd"))
+    keys = np.arange(0, 3000, 3)
+    with Client([roomy.address], timeout=120, lease_ttl=1.0) as c:
+        c.create_table(cfg)
+        lease = c.prefetch_batch({cfg.name: keys})
+        result = lease.result(timeout=120)[cfg.name]
+        assert result["staged_rows"] + result["leased_rows"] == keys.size
+        assert _pinned(c, cfg.name) == keys.size
+        time.sleep(3.5)  # three and a half TTLs: the client's renewals keep the lease
+        assert _pinned(c, cfg.name) == keys.size
+        lease.release()
+        assert _pinned(c, cfg.name) == 0, "unpinned when release() returns"
+        lease.release()  # idempotent
+
+        # cancel, with a keyset above the message limit (sent in chunks: PrefetchBatchStream)
+        streams = _rpc_count(roomy, "PrefetchBatchStream")
+        big = c.prefetch_batch({cfg.name: np.arange(100_000, 120_000)})
+        assert _rpc_count(roomy, "PrefetchBatchStream") == streams + 1
+        big.cancel()
+        assert big.done() and _pinned(c, cfg.name) == 0
+        done = c.prefetch_batch({cfg.name: keys})
+        done.result(timeout=120)
+        assert _pinned(c, cfg.name) == keys.size
+        assert done.cancel() is False and _pinned(c, cfg.name) == 0  # finished: not cancelled, but unpinned
+        assert c.prefetch_batch({cfg.name: []}).result(timeout=10)[cfg.name]["staged_rows"] == 0
+
+        # a client process killed while it holds a lease: the server unpins its rows once the TTL runs out
+        script = tmp_path / "holder.py"
+        script.write_text(_HOLDER)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                         os.environ.get("PYTHONPATH")]))}
+        holder = subprocess.Popen([sys.executable, str(script), roomy.address, cfg.name, "2.0", "500"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        try:
+            ready, _, _ = select.select([holder.stdout], [], [], START_TIMEOUT)
+            assert ready and holder.stdout is not None
+            line = holder.stdout.readline()
+            assert line.strip() == b"held", line + (holder.stdout.read() if holder.poll() is not None else b"")
+            time.sleep(4)  # two TTLs: its renewals keep it
+            assert _pinned(c, cfg.name) == 500
+        finally:
+            holder.kill()
+            holder.wait()
+        t0 = time.monotonic()
+        while _pinned(c, cfg.name) and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        assert _pinned(c, cfg.name) == 0 and time.monotonic() - t0 < 30
+        assert "expired after 2.0 s without a renewal" in roomy.log()
+
+
+def test_the_read_only_methods_of_the_embedded_cache(client: Client, tmp_path: Path) -> None:
+    tables = _tables((8, "adagrad"), (16, "adam"))
+    for cfg in tables:
+        client.create_table(cfg)
+    ref = EmbeddingCache(CacheConfig(path=str(tmp_path / "ref"), hbm_bytes=10_000, ddr_bytes=20_000, device="cpu"),
+                         tables)
+    try:
+        for cfg in tables:
+            assert client.row_bytes(cfg.name) == ref.row_bytes(cfg.name)
+            per = [s[cfg.name] for s in client.shard_stats()]
+            want = {t: sum(p[t]["capacity_rows"] for p in per) for t in ("hbm", "ddr")}
+            assert client.capacity_rows(cfg.name) == want
+    finally:
+        ref.close()
+    name = tables[0].name
+    keys = np.arange(40)
+    client.lookup(name, keys)
+    hbm, ddr = client.resident_keys(name, "hbm"), client.resident_keys(name, "ddr")
+    assert hbm.dtype == ddr.dtype == torch.int64
+    total = client.stats()[name]
+    assert hbm.numel() == total["hbm"]["resident_rows"] and ddr.numel() == total["ddr"]["resident_rows"]
+    assert 0 < hbm.numel() + ddr.numel() == len(set(hbm.tolist()) | set(ddr.tolist()))
+    assert set(hbm.tolist()) | set(ddr.tolist()) <= set(keys.tolist())
+    with pytest.raises(ConfigError, match="tier"):
+        client.resident_keys(name, "ssd")
+    for call in (lambda: client.row_bytes("nope"), lambda: client.capacity_rows("nope"),
+                 lambda: client.resident_keys("nope", "hbm")):
+        with pytest.raises(UnknownTableError):
+            call()
+    # what the client leaves out, and its docstring says why
+    missing = {n for n in dir(EmbeddingCache) if not n.startswith("_")} - set(dir(Client))
+    assert missing == {"config", "restore"}
+    assert "``config``" in (Client.__doc__ or "") and "``restore``" in (Client.__doc__ or "")
+
+
 def test_create_table_is_idempotent_and_refuses_conflicts(client: Client) -> None:
     (cfg,) = _tables((8, "adagrad"))
     assert client.create_table(cfg) is True
@@ -368,14 +591,16 @@ def test_shards_resolved_from_a_dns_name(one_shard: LocalServer) -> None:
 
 
 # ---------------------------------------------------------------------- retries, deadlines, fan-out
-_UNARY_METHODS = {"ListTables", "CreateTable", "Lookup", "ApplyGradients", "Assign", "Flush", "Stats"}
+_UNARY_METHODS = {"ListTables", "CreateTable", "Lookup", "ApplyGradients", "Assign", "Flush", "Stats", "BeginPass"}
+_STREAM_METHODS = {"Prefetch", "EndPass"}  # one request, a stream of replies
 
 
 class _Proxy(grpc.GenericRpcHandler):
     """A gRPC proxy in the test process in front of one real server.
 
-    Forwards the unary calls byte for byte and counts them per method. ``plan[method]`` lists what
-    to do to that method's next calls instead of forwarding them plainly: ``"refuse"`` (UNAVAILABLE,
+    Forwards the unary calls and the server-streaming pass calls byte for byte and counts them per
+    method. ``plan[method]`` lists what to do to that method's next calls instead of forwarding them
+    plainly: ``"refuse"`` (UNAVAILABLE,
     not forwarded), ``"refuse_not_applied"`` (the same, marked not applied as a draining server
     marks it), ``"cancel"`` (CANCELLED, not forwarded, as gRPC cancels a call that reaches a server
     as it stops), ``"lose_reply"`` (forwarded and applied, then UNAVAILABLE, as when a connection
@@ -394,24 +619,41 @@ class _Proxy(grpc.GenericRpcHandler):
         self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
         self._server.start()
 
+    def _action(self, name: str, context: grpc.ServicerContext) -> str:
+        """Count the call and take its planned action; refusals and cancellations abort here."""
+        with self._lock:
+            self.calls[name] += 1
+            todo = self.plan.get(name)
+            action = todo.pop(0) if todo else "forward"
+        if action == "refuse_not_applied":
+            context.set_trailing_metadata(((NOT_APPLIED_KEY, "1"),))
+        if action.startswith("refuse"):
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"proxy: {name} refused, not forwarded")
+        if action == "cancel":
+            context.abort(grpc.StatusCode.CANCELLED, f"proxy: {name} cancelled, not forwarded")
+        return action
+
     def service(self, handler_call_details: Any) -> Any:
         method = handler_call_details.method
         name = method.rsplit("/", 1)[-1]
+        if name in _STREAM_METHODS:
+            forward_stream = self._channel.unary_stream(method)
+
+            def handle_stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+                self._action(name, context)
+                try:
+                    yield from forward_stream(request, timeout=120)
+                except grpc.RpcError as err:
+                    context.set_trailing_metadata(err.trailing_metadata() or ())
+                    context.abort(err.code(), err.details() or "")
+
+            return grpc.unary_stream_rpc_method_handler(handle_stream)
         if name not in _UNARY_METHODS:
             return None
         forward = self._channel.unary_unary(method)  # no serializers: bytes both ways
 
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
-            with self._lock:
-                self.calls[name] += 1
-                todo = self.plan.get(name)
-                action = todo.pop(0) if todo else "forward"
-            if action == "refuse_not_applied":
-                context.set_trailing_metadata(((NOT_APPLIED_KEY, "1"),))
-            if action.startswith("refuse"):
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"proxy: {name} refused, not forwarded")
-            if action == "cancel":
-                context.abort(grpc.StatusCode.CANCELLED, f"proxy: {name} cancelled, not forwarded")
+            action = self._action(name, context)
             if self._barrier is not None and name in ("Lookup", "ApplyGradients"):
                 try:
                     self._barrier.wait()
@@ -511,6 +753,50 @@ def test_idempotent_calls_are_resent_writes_only_when_not_applied(
         with pytest.raises(UnavailableError, match="refused"):
             c.lookup(cfg.name, keys)
         assert _deltas(proxies, "Lookup", counts)[0] == 3
+
+
+def test_pass_calls_are_resent_only_when_not_applied(proxied: tuple[list[LocalServer], list[_Proxy]],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Prefetch, BeginPass and EndPass refused before they had any effect are resent; refused without the
+    mark, they raise, and a begin_pass some shard refused is undone on the shards that began."""
+    servers, proxies = proxied
+    (cfg,) = _tables((4, "sgd"))
+    keys = np.arange(300)
+    methods = ("Prefetch", "BeginPass", "EndPass")
+    through = {s.address: p.address for s, p in zip(servers, proxies, strict=True)}
+    rest = [1] * (len(servers) - 1)
+    with Client(through, timeout=60, backoff=0.01) as c:
+        c.create_table(cfg)
+        assert set(c.shard_of(keys).tolist()) == set(range(len(servers)))
+        for m in methods:
+            proxies[0].plan[m] = ["refuse_not_applied"]
+        counts = {m: [p.calls[m] for p in proxies] for m in methods}
+        with caplog.at_level(logging.INFO, logger="embcache.client"):
+            caplog.clear()
+            assert c.prefetch({cfg.name: keys}).result(timeout=60)[cfg.name]["staged_rows"] >= 0
+            assert c.begin_pass({cfg.name: keys})[cfg.name]["keyset_rows"] == keys.size
+            assert all(s[cfg.name]["pass"]["active"] for s in c.shard_stats())
+            assert c.end_pass().result(timeout=60) >= 0
+        assert {m: _deltas(proxies, m, counts[m]) for m in methods} == {m: [2, *rest] for m in methods}
+        for m in methods:
+            assert any(r.getMessage().startswith(f"resending {m} ") and "(not applied)" in r.getMessage()
+                       for r in caplog.records), m
+        assert not any(s[cfg.name]["pass"]["active"] for s in c.shard_stats())
+
+        # refused without the mark: the client cannot know whether it ran: not resent
+        proxies[0].plan["BeginPass"] = ["refuse"]
+        counts = {m: [p.calls[m] for p in proxies] for m in methods}
+        with pytest.raises(UnavailableError, match="refused"):
+            c.begin_pass({cfg.name: keys})
+        assert _deltas(proxies, "BeginPass", counts["BeginPass"]) == [1, *rest]
+        assert _deltas(proxies, "EndPass", counts["EndPass"]) == [0, *rest], "the shards that began are ended"
+        assert not any(s[cfg.name]["pass"]["active"] for s in c.shard_stats())
+        proxies[0].plan["Prefetch"] = ["refuse"]
+        with pytest.raises(UnavailableError, match="refused"):
+            c.prefetch({cfg.name: keys})
+        assert _deltas(proxies, "Prefetch", counts["Prefetch"])[0] == 1  # (the others' calls are cancelled)
+        c.begin_pass({cfg.name: keys})  # nothing was left half begun
+        c.end_pass().result(timeout=60)
 
 
 def test_a_hung_shard_fails_at_the_deadline_and_the_client_recovers(three_shards: list[LocalServer]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 
 import grpc
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from embcache import TableConfig
+from embcache import Keyset, TableConfig
 from embcache.client import HashRing, _merge_stats, mix64
 from embcache.errors import (
     BatchTooLargeError,
@@ -30,8 +31,10 @@ from embcache.rpc.errors import (
     ERROR_TYPE_KEY,
     NOT_APPLIED_KEY,
     PermissionDeniedError,
+    RemoteError,
     UnauthenticatedError,
     UnavailableError,
+    error_from_name,
     error_from_rpc,
     not_applied,
     status_of,
@@ -105,6 +108,34 @@ def test_keyset_decoding_checks_counts() -> None:
         with pytest.raises(InvalidKeysError, match=match):
             codec.decode_keyset(pb.TableKeyset(table="t", keys=codec.encode_tensor(np.array(k)),
                                                counts=codec.encode_tensor(np.array(c))))
+
+
+def test_keyset_chunks_merge_into_the_whole_keyset() -> None:
+    rng = np.random.default_rng(0)
+    keys = torch.from_numpy(np.unique(rng.integers(-2**62, 2**62, 1000)))
+    counts = torch.from_numpy(rng.integers(1, 50, keys.numel()))
+    whole = Keyset(keys, counts)
+    cuts = [0, 1, 300, 301, 999, 1000]  # in order, with empty and one-key chunks: joined as they are
+    parts = [Keyset(keys[a:b], counts[a:b]) for a, b in itertools.pairwise(cuts)]
+    merged = codec.merge_keysets(parts)
+    assert torch.equal(merged.keys, keys) and torch.equal(merged.counts, counts)
+    merged = codec.merge_keysets([*parts[::-1], parts[3]])  # out of order and overlapping: counts added
+    merged.validate()
+    extra = torch.zeros_like(counts)
+    extra[301:999] = counts[301:999]
+    assert torch.equal(merged.keys, keys) and torch.equal(merged.counts, counts + extra)
+    raw = [Keyset.from_keys(torch.tensor([5, 3, 3])), Keyset.from_keys(torch.tensor([3, 9]))]  # raw keys, counted
+    merged = codec.merge_keysets(raw)
+    assert merged.keys.tolist() == [3, 5, 9] and merged.counts.tolist() == [3, 1, 1]
+    assert codec.merge_keysets([whole]) is whole and len(codec.merge_keysets([])) == 0
+
+
+def test_errors_reported_by_name() -> None:
+    err = error_from_name("StoreError", "disk gone", "h:1")
+    assert type(err) is StoreError and str(err) == "disk gone"
+    assert isinstance(error_from_name("UnavailableError", "bye", "h:1"), UnavailableError)
+    odd = error_from_name("ZeroDivisionError", "oops", "h:1")  # not an embcache error: never imported
+    assert type(odd) is RemoteError and "ZeroDivisionError: oops (server h:1)" in str(odd)
 
 
 def test_table_config_round_trip_and_defaults() -> None:

@@ -201,6 +201,67 @@ def test_every_error_has_its_status_and_changes_nothing(served: Served) -> None:
     assert not np.array_equal(_lookup(stub, "a", keys), before_a)
 
 
+def test_lease_keyset_stream_and_resident_key_calls_with_the_generated_stubs(served: Served) -> None:
+    """The calls behind Client.prefetch_batch, the chunked keysets and resident_keys, as any gRPC client makes them."""
+    _, stub = served
+    INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+    assert stub.ListTables(pb.ListTablesRequest(), timeout=10).server.max_lease_seconds == 600
+    keys = np.arange(100, 140)
+    cases: list[tuple[grpc.StatusCode, str | None, Callable[[], object]]] = [
+        (NOT_FOUND, "UnknownTableError", lambda: stub.PrefetchBatch(pb.PrefetchBatchRequest(
+            keysets=[pb.TableKeyset(table="zz", keys=_t(keys))]), timeout=10)),
+        (INVALID, "InvalidKeysError", lambda: stub.PrefetchBatch(pb.PrefetchBatchRequest(
+            keysets=[pb.TableKeyset(table="a", keys=_t(keys), counts=_t(np.zeros(40)))]), timeout=10)),
+        (INVALID, "InvalidKeysError", lambda: stub.BeginPassStream(iter([]), timeout=10)),
+        (INVALID, "ConfigError", lambda: list(stub.ResidentKeys(pb.ResidentKeysRequest(table="a", tier="ssd"),
+                                                                 timeout=10))),
+        (NOT_FOUND, "UnknownTableError", lambda: list(stub.ResidentKeys(pb.ResidentKeysRequest(table="zz", tier="hbm"),
+                                                                         timeout=10))),
+    ]
+    for code, error_type, call in cases:
+        _expect(code, error_type, lambda: call())  # noqa: B023 - called at once
+    State = pb.LeaseStatus.State
+
+    def pinned() -> int:
+        s = json.loads(stub.Stats(pb.StatsRequest(), timeout=10).json)["a"]
+        return int(s["hbm"]["pinned_rows"] + s["ddr"]["pinned_rows"])
+
+    lease = stub.PrefetchBatch(pb.PrefetchBatchRequest(keysets=[pb.TableKeyset(table="a", keys=_t(keys))]), timeout=10)
+    assert lease.lease_id and lease.ttl_seconds == 30  # the server's default TTL
+    status = stub.RenewLeases(pb.RenewLeasesRequest(lease_ids=[lease.lease_id, "nope"], wait_seconds=5), timeout=30)
+    while status.leases[0].state == State.STAGING:
+        status = stub.RenewLeases(pb.RenewLeasesRequest(lease_ids=[lease.lease_id], wait_seconds=5), timeout=30)
+    assert status.leases[0].state == State.DONE and status.leases[-1].state in (State.DONE, State.UNKNOWN)
+    done = status.leases[0].tables[0]
+    assert done.table == "a" and done.staged_rows + done.leased_rows == keys.size
+    assert pinned() >= keys.size  # (tiers of 20 kB: all 40 rows fit)
+    released = stub.ReleaseLeases(pb.ReleaseLeasesRequest(lease_ids=[lease.lease_id]), timeout=10)
+    assert released.leases[0].state == State.DONE and pinned() == 0
+    resident = [codec.decode_tensor(m.keys, "keys", EmbcacheError, ("int64",), 1) for tier in ("hbm", "ddr")
+                for m in stub.ResidentKeys(pb.ResidentKeysRequest(table="a", tier=tier), timeout=10)]
+    assert set(np.concatenate(resident).tolist()) >= set(keys.tolist())  # unpinned, still cached
+    # a keyset in chunks that overlap, out of order and without counts: merged, duplicates counted
+    chunks = [pb.BeginPassRequest(keysets=[pb.TableKeyset(table="a", keys=_t([5, 3, 9, 3]))]),
+              pb.BeginPassRequest(keysets=[pb.TableKeyset(table="a", keys=_t([9, 1])),
+                                           pb.TableKeyset(table="b", keys=_t([2]))])]
+    report = stub.BeginPassStream(iter(chunks), timeout=30)
+    assert {r.table: r.keyset_rows for r in report.tables} == {"a": 4, "b": 1}
+    assert [m.done for m in stub.EndPass(pb.EndPassRequest(wait=True), timeout=30)] == [False, True]
+
+
+def test_max_lease_seconds_from_the_config_file_and_flags(tmp_path: Path) -> None:
+    from embcache.errors import ConfigError
+    from embcache.server.main import load_settings
+
+    (tmp_path / "s.json").write_text(json.dumps({"max_lease_seconds": 120}))
+    assert load_settings(["--config", str(tmp_path / "s.json")])[0].max_lease_seconds == 120
+    assert load_settings(["--config", str(tmp_path / "s.json"), "--max-lease-seconds", "5"])[0].max_lease_seconds == 5
+    assert load_settings([])[0].max_lease_seconds == 600
+    for bad in ("0.1", "inf", "nan"):
+        with pytest.raises(ConfigError, match="max_lease_seconds"):
+            load_settings(["--max-lease-seconds", bad])
+
+
 def test_metrics_endpoint(served: Served) -> None:
     server, stub = served
     _lookup(stub, "b", [1, 2, 3])
@@ -497,7 +558,8 @@ def test_kill9_loses_at_most_what_the_flush_mode_allows(tmp_path: Path) -> None:
         assert acked == list(range(len(acked)))
         server.args = [*big, "--flush-interval-seconds", str(interval)]
         server.start()
-        lost = set(acked) - _surviving(checker, "d", acked)
+        survivors = _surviving(checker, "d", acked)
+        lost = set(acked) - survivors
         assert len(lost) <= n - 1 and all(step >= len(acked) - (n - 1) for step in lost), \
             f"{len(acked)} acknowledged, lost {sorted(lost)}"
         # --flush-interval-seconds S
@@ -517,7 +579,7 @@ def test_kill9_loses_at_most_what_the_flush_mode_allows(tmp_path: Path) -> None:
         server.start()
         lost = set(old) - _surviving(checker, "d", old)
         assert not lost, f"lost {len(lost)} of {len(old)} requests acknowledged {interval + margin} s before the crash"
-        assert set(acked) - _surviving(checker, "d", acked) == lost, "the first crash's survivors are still there"
+        assert _surviving(checker, "d", acked) == survivors, "the first crash's survivors are still there"
         checker.close()
     finally:
         server.stop()

@@ -29,6 +29,7 @@ __all__ = [
     "decode_tensor",
     "encode_keyset",
     "encode_tensor",
+    "merge_keysets",
     "table_from_proto",
     "table_to_proto",
 ]
@@ -148,6 +149,26 @@ def decode_keyset(msg: pb.TableKeyset) -> Keyset:
     if counts.numel() and int(counts.min()) < 1:
         raise InvalidKeysError(f"keyset of table {msg.table!r}: counts must be >= 1")
     return Keyset(keys, counts)
+
+
+def merge_keysets(parts: Sequence[Keyset]) -> Keyset:
+    """One keyset from the chunks of a keyset sent in several messages (the ``*Stream`` calls).
+
+    Chunks cut from one ascending keyset, in order, are joined as they are; otherwise (chunks
+    overlapping or out of order, or raw keys counted per chunk) keys are merged and the counts
+    of a key in several chunks added, vectorized.
+
+    Args:
+        parts: the chunks' keysets, each valid on its own (see :func:`decode_keyset`).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    keys = torch.cat([p.keys for p in parts]) if parts else torch.empty(0, dtype=torch.int64)
+    counts = torch.cat([p.counts for p in parts]) if parts else torch.empty(0, dtype=torch.int64)
+    if keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all()):
+        return Keyset(keys, counts)
+    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    return Keyset(uniq, torch.zeros(uniq.numel(), dtype=torch.int64).index_add_(0, inverse, counts))
 
 
 def table_to_proto(cfg: TableConfig) -> pb.TableConfig:

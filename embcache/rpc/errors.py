@@ -42,6 +42,7 @@ __all__ = [
     "RemoteError",
     "UnauthenticatedError",
     "UnavailableError",
+    "error_from_name",
     "error_from_rpc",
     "not_applied",
     "status_of",
@@ -155,6 +156,22 @@ def error_from_rpc(err: grpc.RpcError, address: str = "") -> EmbcacheError:
         return cls(f"{code.name}: {details}{where}", code, address)
     exc = cls(details)
     exc.address = address  # type: ignore[attr-defined]  # which shard refused, for the curious
+    return exc
+
+
+def error_from_name(name: str, message: str, address: str = "") -> EmbcacheError:
+    """The embcache error a server reported by type name and message outside a status (e.g. a lease's staging).
+
+    An unknown name becomes a :class:`RemoteError` whose message keeps the name.
+    """
+    cls = _error_type(name)
+    where = f" (server {address})" if address else ""
+    if cls is None:
+        return RemoteError(f"{name or 'error'}: {message}{where}", grpc.StatusCode.UNKNOWN, address)
+    if issubclass(cls, RemoteError):
+        return cls(f"{message}{where}", grpc.StatusCode.UNKNOWN, address)
+    exc = cls(message)
+    exc.address = address  # type: ignore[attr-defined]
     return exc
 
 

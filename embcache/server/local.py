@@ -25,19 +25,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import embcache
 
+from .main import DIE_WITH_PARENT_ENV
+
 __all__ = ["LocalServer", "wait_serving"]
 
 _PACKAGE_ROOT = str(Path(embcache.__file__).resolve().parents[1])
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM the server when the process (thread) that started it dies, so no server is left behind."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def wait_serving(address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None,
@@ -135,10 +127,14 @@ class LocalServer:
             os.unlink(port_file)
         env = {**os.environ, **self._env}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        # The server stops when this process (the thread starting it) dies, so none is left behind
+        # (see embcache.server.main). It arranges that itself: a preexec_fn would make Python fork()
+        # rather than vfork(), and gRPC's fork handlers can hang a fork while this process has calls
+        # in flight (grpc/grpc#37259).
+        env[DIE_WITH_PARENT_ENV] = str(os.getpid())
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL,
-                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                         stdin=subprocess.DEVNULL)
         self._deadline = time.monotonic() + self._timeout
         return self
 

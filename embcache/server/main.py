@@ -43,6 +43,11 @@ cache call (missing or wrong: UNAUTHENTICATED); tokens in --auth-readonly-token-
 call ListTables, Lookup and Stats (others: PERMISSION_DENIED). Health and reflection stay open
 for probes. Token files hold one token per line; EMBCACHE_AUTH_TOKEN adds a read-write token.
 
+Batch leases (Client.prefetch_batch, LookAhead over a Client): the rows of a leased batch stay
+pinned until the client releases them, or until the lease goes its time-to-live without a
+renewal (the client asks for one, 30 s by default; at most --max-lease-seconds): a crashed or
+cut-off client never pins rows for longer. A held lease costs no server thread.
+
 Diagnostics: ``kill -USR1 PID`` prints every thread's stack to stderr; a shutdown still running
 30 s after its drain and grace prints them too (every 30 s until it ends).
 
@@ -51,6 +56,7 @@ Config file (TOML, or JSON when the name ends in .json); flags override it:
     listen = "127.0.0.1:50051"
     metrics_port = 9400                # -1: no metrics server; 0: a free port
     max_message_bytes = 67108864       # per message, both directions
+    max_lease_seconds = 600            # the longest time-to-live of a batch lease
     [cache]                            # embcache.CacheConfig fields
     path = "./embcache-data"
     hbm_bytes = 1073741824
@@ -94,15 +100,19 @@ from ..cache import EmbeddingCache
 from ..config import CacheConfig, TableConfig
 from ..errors import ConfigError
 from ..rpc.v1 import embcache_pb2 as pb
-from .servicer import SERVICE_NAME, WRITE_METHODS, Durability, EmbeddingCacheServicer, add_to_server
+from .leases import MIN_TTL_SECONDS, LeaseTable
+from .servicer import READ_METHODS, SERVICE_NAME, WRITE_METHODS, Durability, EmbeddingCacheServicer, add_to_server
 
-__all__ = ["RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
+__all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
 
 log = logging.getLogger("embcache.server")
 # How long shutdown waits, past the grace period, for gRPC to report every call ended.
 _STOP_SLACK_SECONDS = 10.0
 
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
+#: Environment variable holding the pid of the process that started this server (set by
+#: embcache.server.local.LocalServer): on Linux the server gets SIGTERM when that thread dies.
+DIE_WITH_PARENT_ENV = "EMBCACHE_DIE_WITH_PARENT"
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -117,6 +127,8 @@ class ServerSettings:
         metrics_port: Prometheus HTTP port (-1: none, 0: a free port).
         metrics_host: address of the metrics server (default 127.0.0.1).
         max_message_bytes: largest message in either direction (default 64 MiB).
+        max_lease_seconds: the longest time-to-live a batch lease is granted (default 600): a
+            client that stops renewing its leases (crashed, cut off) pins rows at most this long.
         workers: threads serving calls (default 4 per core, at least 8).
         torch_threads: torch's intra-op threads (0: torch's default, one per core). Concurrent
             calls already use the cores; 1 avoids threads waiting on each other on a busy machine.
@@ -136,6 +148,7 @@ class ServerSettings:
     metrics_port: int = 9400
     metrics_host: str = "127.0.0.1"
     max_message_bytes: int = 64 << 20
+    max_lease_seconds: float = 600.0
     workers: int = 0
     torch_threads: int = 0
     checkpoint_root: str | None = None
@@ -188,7 +201,8 @@ def _read_config(path: str) -> dict[str, Any]:
     return data
 
 
-_TOP_KEYS = {"listen", "metrics_port", "metrics_host", "max_message_bytes", "workers", "torch_threads",
+_TOP_KEYS = {"listen", "metrics_port", "metrics_host", "max_message_bytes", "max_lease_seconds", "workers",
+             "torch_threads",
              "checkpoint_root",
              "grace_seconds", "drain_seconds", "port_file", "cache", "tables", "durability", "tls", "auth"}
 _SECTION_KEYS = {
@@ -207,7 +221,8 @@ def _settings_from_dict(data: Mapping[str, Any]) -> ServerSettings:
         if extra:
             raise ConfigError(f"unknown [{section}] keys {sorted(extra)}; allowed: {sorted(keys)}")
     s = ServerSettings()
-    for key in ("listen", "metrics_port", "metrics_host", "max_message_bytes", "workers", "torch_threads",
+    for key in ("listen", "metrics_port", "metrics_host", "max_message_bytes", "max_lease_seconds", "workers",
+                "torch_threads",
                 "checkpoint_root",
                 "grace_seconds", "drain_seconds", "port_file"):
         if key in data:
@@ -255,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9400; 0 = free port, -1 = none)")
     p.add_argument("--metrics-host", help="Prometheus bind address (default 127.0.0.1)")
     p.add_argument("--max-message-bytes", type=int, help="largest message either way (default 64 MiB)")
+    p.add_argument("--max-lease-seconds", type=float,
+                   help="longest time-to-live of a batch lease: a client that stops renewing its leases pins "
+                        "rows at most this long (default 600)")
     p.add_argument("--workers", type=int, help="threads serving calls (default max(8, 4 x cores))")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
     p.add_argument("--checkpoint-root", help="Checkpoint writes only under this directory (default PATH/checkpoints)")
@@ -283,7 +301,8 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
     args = build_parser().parse_args(argv)
     s = _settings_from_dict(_read_config(args.config)) if args.config else ServerSettings()
     overrides = {"listen": args.listen, "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
-                 "max_message_bytes": args.max_message_bytes, "workers": args.workers,
+                 "max_message_bytes": args.max_message_bytes, "max_lease_seconds": args.max_lease_seconds,
+                 "workers": args.workers,
                  "torch_threads": args.torch_threads,
                  "checkpoint_root": args.checkpoint_root, "flush_every_updates": args.flush_every_updates,
                  "flush_interval_seconds": args.flush_interval_seconds, "sync": args.sync,
@@ -311,6 +330,8 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
         raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     if s.max_message_bytes < 1 << 16:
         raise ConfigError(f"max_message_bytes={s.max_message_bytes}: must be at least 65536")
+    if not MIN_TTL_SECONDS <= float(s.max_lease_seconds) < float("inf"):
+        raise ConfigError(f"max_lease_seconds={s.max_lease_seconds}: must be a number of seconds >= {MIN_TTL_SECONDS}")
     return s, args
 
 
@@ -354,7 +375,8 @@ class _TokenAuth(grpc.ServerInterceptor):
             if name not in WRITE_METHODS:
                 return continuation(details)
             return self._refuse(continuation(details), name, grpc.StatusCode.PERMISSION_DENIED,
-                                f"{name} needs a read-write token; this token may only call ListTables, Lookup, Stats",
+                                f"{name} needs a read-write token; this token may only call "
+                                f"{', '.join(sorted(READ_METHODS))}",
                                 t0)
         why = "a wrong bearer token" if token else "no bearer token (metadata 'authorization: Bearer <token>')"
         return self._refuse(continuation(details), name, grpc.StatusCode.UNAUTHENTICATED,
@@ -417,6 +439,7 @@ class RunningServer:
                 faulthandler.dump_traceback(all_threads=True)
             log.info("shutdown: calls finished after %.2f s", time.perf_counter() - t0)
             self.durability.stop()
+            self.servicer.close()  # cancels the batch leases: nothing pinned is left to the cache's close
             self.cache.close()
             log.info("shutdown: cache flushed and closed after %.2f s", time.perf_counter() - t0)
             if self._metrics_httpd is not None:
@@ -468,6 +491,7 @@ def start_server(s: ServerSettings) -> RunningServer:
         rw.add(env_token)
     credentials = _credentials(s)
     cache = EmbeddingCache(config, s.tables)
+    servicer: EmbeddingCacheServicer | None = None
     try:
         registry = CollectorRegistry()
         register_metrics(cache, registry)
@@ -481,9 +505,10 @@ def start_server(s: ServerSettings) -> RunningServer:
         info = pb.ServerInfo(version=__version__, max_batch_keys=config.max_batch_keys,
                              reject_nonfinite=config.reject_nonfinite, max_receive_message_bytes=s.max_message_bytes,
                              max_send_message_bytes=s.max_message_bytes, device=str(cache.device),
-                             durability=durability.describe())
+                             durability=durability.describe(), max_lease_seconds=float(s.max_lease_seconds))
         servicer = EmbeddingCacheServicer(cache, durability, info, observe,
-                                          s.checkpoint_root or os.path.join(config.path, "checkpoints"))
+                                          s.checkpoint_root or os.path.join(config.path, "checkpoints"),
+                                          LeaseTable(cache, float(s.max_lease_seconds)))
         workers = s.workers or max(8, 4 * (os.cpu_count() or 1))
         options = [("grpc.max_send_message_length", s.max_message_bytes),
                    ("grpc.max_receive_message_length", s.max_message_bytes),
@@ -511,10 +536,32 @@ def start_server(s: ServerSettings) -> RunningServer:
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
+        if servicer is not None:
+            servicer.close()
         cache.close()
         raise
     return RunningServer(server, cache, servicer, health_servicer, durability, port, metrics_port,
                          s.grace_seconds, s.drain_seconds, httpd)
+
+
+def _die_with_parent() -> None:
+    """With ``EMBCACHE_DIE_WITH_PARENT=<pid>`` (Linux): SIGTERM this process when the thread that started it dies.
+
+    ``PR_SET_PDEATHSIG`` survives ``execve`` and refers to the thread that forked this process,
+    so setting it here is what a ``preexec_fn`` would do, without making the parent ``fork()``.
+    A parent that died before this ran is no longer our parent: then SIGTERM is sent at once.
+    """
+    parent = os.environ.get(DIE_WITH_PARENT_ENV, "")
+    if not parent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _write_port_file(path: str, running: RunningServer) -> None:
@@ -534,6 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:  # installed before serving: a signal during start-up still stops cleanly
             signal.signal(sig, lambda *_: stop.set())
+        _die_with_parent()
         if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack to stderr
             faulthandler.register(signal.SIGUSR1, all_threads=True)
         running = start_server(s)

@@ -8,7 +8,8 @@ trailing metadata. Latency is recorded per method and status code.
 Concurrency: gRPC runs each call on a worker thread; the cache serializes operations per table
 (one lock each) and releases the GIL in its heavy parts, so calls on different tables, and the
 encoding and decoding of different calls, run in parallel. A write request is applied with one
-library call, so it is atomic per table.
+library call, so it is atomic per table. Batch leases (PrefetchBatch) are held in a
+:class:`~embcache.server.leases.LeaseTable`, without a thread per lease.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError
 from typing import Any, TypeVar
 
@@ -27,13 +28,23 @@ import numpy as np
 import torch
 
 from ..cache import EmbeddingCache
-from ..errors import CacheClosedError, EmbcacheError, InvalidGradientError, InvalidKeysError, InvalidRowsError
+from ..errors import (
+    CacheClosedError,
+    ConfigError,
+    EmbcacheError,
+    InvalidGradientError,
+    InvalidKeysError,
+    InvalidRowsError,
+)
+from ..keyset import Keyset
 from ..rpc import codec, wire
 from ..rpc.errors import ERROR_TYPE_KEY, NOT_APPLIED_KEY, status_of
 from ..rpc.v1 import embcache_pb2 as pb
 from ..rpc.v1 import embcache_pb2_grpc as pb_grpc
+from .leases import LeaseTable
 
-__all__ = ["SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer", "add_to_server"]
+__all__ = ["READ_METHODS", "SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer",
+           "add_to_server"]
 
 log = logging.getLogger("embcache.server")
 R = TypeVar("R")
@@ -44,9 +55,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].full_name
 _RAW_REQUESTS = frozenset({"Lookup", "ApplyGradients", "Assign"})
 _RAW_RESPONSES = frozenset({"Lookup"})
 
-#: Methods that change rows, tables, passes or files; a read-only token may call the others.
+#: Methods that change rows, tables, passes, pins or files; a read-only token may call the others.
 WRITE_METHODS = frozenset({"CreateTable", "ApplyGradients", "ApplyGradientsStream", "Assign", "AssignStream",
-                           "Prefetch", "BeginPass", "EndPass", "Flush", "Checkpoint"})
+                           "Prefetch", "PrefetchStream", "BeginPass", "BeginPassStream", "EndPass",
+                           "PrefetchBatch", "PrefetchBatchStream", "RenewLeases", "ReleaseLeases",
+                           "Flush", "Checkpoint"})
+#: Methods a read-only token may call.
+READ_METHODS = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods
+                         ) - WRITE_METHODS
 
 
 class Durability:
@@ -166,6 +182,28 @@ def _collect(requests: Iterable[Any], what: str,
     return out
 
 
+def _keysets(items: Sequence[pb.TableKeyset], what: str) -> dict[str, Keyset]:
+    _unique_tables(items, what)
+    return {k.table: codec.decode_keyset(k) for k in items}
+
+
+def _collect_keysets(requests: Iterable[Any], what: str) -> tuple[dict[str, Keyset], Any]:
+    """Merge the keysets of a keyset stream's chunks per table; returns them and the first chunk (its options).
+
+    Raises:
+        InvalidKeysError: a malformed chunk, or a stream without any.
+    """
+    parts: dict[str, list[Keyset]] = {}
+    first = None
+    for req in requests:
+        first = req if first is None else first
+        for name, keyset in _keysets(req.keysets, f"{what} chunk").items():
+            parts.setdefault(name, []).append(keyset)
+    if first is None:
+        raise InvalidKeysError(f"{what}: the stream held no request")
+    return {name: codec.merge_keysets(ks) for name, ks in parts.items()}, first
+
+
 class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     """Serves one :class:`~embcache.EmbeddingCache` over ``embcache.rpc.v1.EmbeddingCacheService``.
 
@@ -178,17 +216,25 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     """
 
     def __init__(self, cache: EmbeddingCache, durability: Durability, server_info: pb.ServerInfo,
-                 observe: Callable[[str, str, float], None], checkpoint_root: str) -> None:
+                 observe: Callable[[str, str, float], None], checkpoint_root: str,
+                 leases: LeaseTable | None = None) -> None:
         self._cache = cache
         self._durability = durability
         self._info = server_info
         self._observe = observe
         self._checkpoint_root = os.path.realpath(checkpoint_root)
         self._stopping = threading.Event()
+        self.leases = leases if leases is not None else LeaseTable(
+            cache, server_info.max_lease_seconds or 600.0)
 
     def begin_shutdown(self) -> None:
-        """Refuse new calls (UNAVAILABLE, marked not applied); calls already running finish."""
+        """Refuse new calls (UNAVAILABLE, marked not applied); calls already running finish (lease polls at once)."""
         self._stopping.set()
+        self.leases.interrupt()
+
+    def close(self) -> None:
+        """Cancel every batch lease and stop their reaper (after the server stopped, before the cache closes)."""
+        self.leases.close()
 
     # ------------------------------------------------------------------ error and latency plumbing
     def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException, t0: float) -> None:
@@ -231,6 +277,9 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         except CancelledError:  # the client went away and its staging was cancelled
             self._observe(method, "CANCELLED", time.perf_counter() - t0)
             return
+        except GeneratorExit:  # the call ended (the client cancelled it or went away) before the stream did
+            self._observe(method, "CANCELLED", time.perf_counter() - t0)
+            raise
         except Exception as exc:
             self._fail(method, context, exc, t0)
             raise
@@ -334,36 +383,82 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         return pb.AssignResponse()
 
     # ------------------------------------------------------------------ passes
+    def _prefetch(self, keysets: dict[str, Keyset], wait: bool,
+                  context: grpc.ServicerContext) -> Iterator[pb.PrefetchResponse]:
+        fut = self._cache.prefetch(keysets)
+        yield pb.PrefetchResponse(done=False)
+        if not wait:
+            return
+        finished = threading.Event()
+
+        def on_end() -> None:  # the call ended before the staging did: the client gave up on it
+            if not finished.is_set():
+                fut.cancel()
+        context.add_callback(on_end)
+        result = fut.result()
+        finished.set()
+        yield pb.PrefetchResponse(done=True, tables=[
+            pb.PrefetchTableResult(table=n, staged_rows=int(r["staged_rows"]), leased_rows=int(r["leased_rows"]),
+                                   seconds=float(r["seconds"])) for n, r in result.items()])
+
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> Iterator[pb.PrefetchResponse]:
         """Start staging; with ``wait``, a second message when done (cancelling the call stops the staging)."""
         def stream() -> Iterator[pb.PrefetchResponse]:
-            _unique_tables(request.keysets, "Prefetch")
-            fut = self._cache.prefetch({k.table: codec.decode_keyset(k) for k in request.keysets})
-            yield pb.PrefetchResponse(done=False)
-            if not request.wait:
-                return
-            finished = threading.Event()
-
-            def on_end() -> None:  # the call ended before the staging did: the client gave up on it
-                if not finished.is_set():
-                    fut.cancel()
-            context.add_callback(on_end)
-            result = fut.result()
-            finished.set()
-            yield pb.PrefetchResponse(done=True, tables=[
-                pb.PrefetchTableResult(table=n, staged_rows=int(r["staged_rows"]), leased_rows=int(r["leased_rows"]),
-                                       seconds=float(r["seconds"])) for n, r in result.items()])
+            yield from self._prefetch(_keysets(request.keysets, "Prefetch"), request.wait, context)
         yield from self._run_stream("Prefetch", context, stream())
+
+    def PrefetchStream(self, request_iterator: Iterator[pb.PrefetchRequest],
+                       context: grpc.ServicerContext) -> Iterator[pb.PrefetchResponse]:
+        """Prefetch for keysets above the message limit: the chunks are merged, then staged as one prefetch."""
+        def stream() -> Iterator[pb.PrefetchResponse]:
+            keysets, first = _collect_keysets(request_iterator, "PrefetchStream")
+            yield from self._prefetch(keysets, first.wait, context)
+        yield from self._run_stream("PrefetchStream", context, stream())
+
+    def _begin_pass(self, keysets: dict[str, Keyset]) -> pb.BeginPassResponse:
+        report = self._cache.begin_pass(keysets)
+        return pb.BeginPassResponse(tables=[pb.PassTableReport(table=n, keyset_rows=r["keyset_rows"],
+                                                               pinned_rows=r["pinned_rows"])
+                                            for n, r in report.items()])
 
     def BeginPass(self, request: pb.BeginPassRequest, context: grpc.ServicerContext) -> pb.BeginPassResponse:
         """Make a pass's keyset resident and pin it."""
-        def begin() -> pb.BeginPassResponse:
-            _unique_tables(request.keysets, "BeginPass")
-            report = self._cache.begin_pass({k.table: codec.decode_keyset(k) for k in request.keysets})
-            return pb.BeginPassResponse(tables=[pb.PassTableReport(table=n, keyset_rows=r["keyset_rows"],
-                                                                   pinned_rows=r["pinned_rows"])
-                                                for n, r in report.items()])
-        return self._run("BeginPass", context, begin)
+        return self._run("BeginPass", context, lambda: self._begin_pass(_keysets(request.keysets, "BeginPass")))
+
+    def BeginPassStream(self, request_iterator: Iterator[pb.BeginPassRequest],
+                        context: grpc.ServicerContext) -> pb.BeginPassResponse:
+        """BeginPass for keysets above the message limit: the chunks are merged, then begun as one pass."""
+        return self._run("BeginPassStream", context,
+                         lambda: self._begin_pass(_collect_keysets(request_iterator, "BeginPassStream")[0]))
+
+    # ------------------------------------------------------------------ batch leases
+    def PrefetchBatch(self, request: pb.PrefetchBatchRequest,
+                      context: grpc.ServicerContext) -> pb.PrefetchBatchResponse:
+        """Stage one batch's rows under a lease with a time-to-live (see :mod:`embcache.server.leases`)."""
+        def lease() -> pb.PrefetchBatchResponse:
+            lease_id, ttl = self.leases.open(_keysets(request.keysets, "PrefetchBatch"), request.ttl_seconds)
+            return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl)
+        return self._run("PrefetchBatch", context, lease)
+
+    def PrefetchBatchStream(self, request_iterator: Iterator[pb.PrefetchBatchRequest],
+                            context: grpc.ServicerContext) -> pb.PrefetchBatchResponse:
+        """PrefetchBatch for keysets above the message limit: the chunks are merged into one lease."""
+        def lease() -> pb.PrefetchBatchResponse:
+            keysets, first = _collect_keysets(request_iterator, "PrefetchBatchStream")
+            lease_id, ttl = self.leases.open(keysets, first.ttl_seconds)
+            return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl)
+        return self._run("PrefetchBatchStream", context, lease)
+
+    def RenewLeases(self, request: pb.RenewLeasesRequest, context: grpc.ServicerContext) -> pb.RenewLeasesResponse:
+        """Extend leases by their TTL and report their states (optionally waiting for staging to end)."""
+        return self._run("RenewLeases", context, lambda: pb.RenewLeasesResponse(
+            leases=self.leases.renew(list(request.lease_ids), request.wait_seconds)))
+
+    def ReleaseLeases(self, request: pb.ReleaseLeasesRequest,
+                      context: grpc.ServicerContext) -> pb.ReleaseLeasesResponse:
+        """Unpin leases (and with ``cancel`` stop their staging); their states after it."""
+        return self._run("ReleaseLeases", context, lambda: pb.ReleaseLeasesResponse(
+            leases=self.leases.release(list(request.lease_ids), request.cancel)))
 
     def EndPass(self, request: pb.EndPassRequest, context: grpc.ServicerContext) -> Iterator[pb.EndPassResponse]:
         """Unpin the pass; with ``wait``, a second message when the write-back is done."""
@@ -396,6 +491,18 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         """``EmbeddingCache.stats()`` as JSON."""
         return self._run("Stats", context, lambda: pb.StatsResponse(json=json.dumps(self._cache.stats())))
+
+    def ResidentKeys(self, request: pb.ResidentKeysRequest,
+                     context: grpc.ServicerContext) -> Iterator[pb.ResidentKeysResponse]:
+        """The keys resident in one tier, in chunks below the send limit (one empty chunk for none)."""
+        def stream() -> Iterator[pb.ResidentKeysResponse]:
+            if request.tier not in ("hbm", "ddr"):
+                raise ConfigError(f"tier must be 'hbm' or 'ddr', got {request.tier!r}")
+            keys = self._cache.resident_keys(request.table, request.tier).numpy()
+            per = max((self._info.max_send_message_bytes or (64 << 20)) - (1 << 16), 1 << 15) // 8
+            for start in range(0, max(keys.size, 1), per):
+                yield pb.ResidentKeysResponse(keys=codec.encode_tensor(keys[start:start + per]))
+        yield from self._run_stream("ResidentKeys", context, stream())
 
 
 def _identity(data: bytes) -> bytes:

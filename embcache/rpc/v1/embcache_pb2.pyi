@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -51,7 +52,7 @@ class TableConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_share: _Optional[float] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability")
+    __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability", "max_lease_seconds")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
     REJECT_NONFINITE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +60,7 @@ class ServerInfo(_message.Message):
     MAX_SEND_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_batch_keys: int
     reject_nonfinite: bool
@@ -66,7 +68,8 @@ class ServerInfo(_message.Message):
     max_send_message_bytes: int
     device: str
     durability: str
-    def __init__(self, version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., reject_nonfinite: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., max_send_message_bytes: _Optional[int] = ..., device: _Optional[str] = ..., durability: _Optional[str] = ...) -> None: ...
+    max_lease_seconds: float
+    def __init__(self, version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., reject_nonfinite: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., max_send_message_bytes: _Optional[int] = ..., device: _Optional[str] = ..., durability: _Optional[str] = ..., max_lease_seconds: _Optional[float] = ...) -> None: ...
 
 class TableKeys(_message.Message):
     __slots__ = ("table", "keys")
@@ -210,6 +213,76 @@ class BeginPassResponse(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[PassTableReport]
     def __init__(self, tables: _Optional[_Iterable[_Union[PassTableReport, _Mapping]]] = ...) -> None: ...
 
+class PrefetchBatchRequest(_message.Message):
+    __slots__ = ("keysets", "ttl_seconds")
+    KEYSETS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    keysets: _containers.RepeatedCompositeFieldContainer[TableKeyset]
+    ttl_seconds: float
+    def __init__(self, keysets: _Optional[_Iterable[_Union[TableKeyset, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class PrefetchBatchResponse(_message.Message):
+    __slots__ = ("lease_id", "ttl_seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    ttl_seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class LeaseStatus(_message.Message):
+    __slots__ = ("lease_id", "state", "tables", "error_type", "error_message")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        UNKNOWN: _ClassVar[LeaseStatus.State]
+        STAGING: _ClassVar[LeaseStatus.State]
+        DONE: _ClassVar[LeaseStatus.State]
+        FAILED: _ClassVar[LeaseStatus.State]
+        CANCELLED: _ClassVar[LeaseStatus.State]
+    UNKNOWN: LeaseStatus.State
+    STAGING: LeaseStatus.State
+    DONE: LeaseStatus.State
+    FAILED: LeaseStatus.State
+    CANCELLED: LeaseStatus.State
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    state: LeaseStatus.State
+    tables: _containers.RepeatedCompositeFieldContainer[PrefetchTableResult]
+    error_type: str
+    error_message: str
+    def __init__(self, lease_id: _Optional[str] = ..., state: _Optional[_Union[LeaseStatus.State, str]] = ..., tables: _Optional[_Iterable[_Union[PrefetchTableResult, _Mapping]]] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("lease_ids", "wait_seconds")
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    wait_seconds: float
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
+    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ...) -> None: ...
+
+class ReleaseLeasesRequest(_message.Message):
+    __slots__ = ("lease_ids", "cancel")
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    cancel: bool
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class ReleaseLeasesResponse(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
+    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ...) -> None: ...
+
 class EndPassRequest(_message.Message):
     __slots__ = ("wait",)
     WAIT_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +316,20 @@ class CheckpointResponse(_message.Message):
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     directory: str
     def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class ResidentKeysRequest(_message.Message):
+    __slots__ = ("table", "tier")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    tier: str
+    def __init__(self, table: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class ResidentKeysResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: Tensor
+    def __init__(self, keys: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -75,8 +75,18 @@ class EmbeddingCacheServiceStub:
                 request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchResponse.FromString,
                 _registered_method=True)
+        self.PrefetchStream = channel.stream_stream(
+                '/embcache.rpc.v1.EmbeddingCacheService/PrefetchStream',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.BeginPass = channel.unary_unary(
                 '/embcache.rpc.v1.EmbeddingCacheService/BeginPass',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassResponse.FromString,
+                _registered_method=True)
+        self.BeginPassStream = channel.stream_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/BeginPassStream',
                 request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassRequest.SerializeToString,
                 response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassResponse.FromString,
                 _registered_method=True)
@@ -84,6 +94,26 @@ class EmbeddingCacheServiceStub:
                 '/embcache.rpc.v1.EmbeddingCacheService/EndPass',
                 request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.EndPassRequest.SerializeToString,
                 response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.EndPassResponse.FromString,
+                _registered_method=True)
+        self.PrefetchBatch = channel.unary_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/PrefetchBatch',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchResponse.FromString,
+                _registered_method=True)
+        self.PrefetchBatchStream = channel.stream_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/PrefetchBatchStream',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchResponse.FromString,
+                _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/RenewLeases',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLeases = channel.unary_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/ReleaseLeases',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ReleaseLeasesRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ReleaseLeasesResponse.FromString,
                 _registered_method=True)
         self.Flush = channel.unary_unary(
                 '/embcache.rpc.v1.EmbeddingCacheService/Flush',
@@ -99,6 +129,11 @@ class EmbeddingCacheServiceStub:
                 '/embcache.rpc.v1.EmbeddingCacheService/Stats',
                 request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.StatsResponse.FromString,
+                _registered_method=True)
+        self.ResidentKeys = channel.unary_stream(
+                '/embcache.rpc.v1.EmbeddingCacheService/ResidentKeys',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysResponse.FromString,
                 _registered_method=True)
 
 
@@ -158,13 +193,50 @@ class EmbeddingCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefetchStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def BeginPass(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginPassStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndPass(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefetchBatch(self, request, context):
+        """Batch leases: stage one batch's rows and hold them until released (or the lease's TTL runs out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefetchBatchStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLeases(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLeases(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -185,6 +257,13 @@ class EmbeddingCacheServiceServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResidentKeys(self, request, context):
+        """The keys resident in one memory tier (for inspection), in chunks below the message limit.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -232,8 +311,18 @@ def add_EmbeddingCacheServiceServicer_to_server(servicer, server):
                     request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchRequest.FromString,
                     response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchResponse.SerializeToString,
             ),
+            'PrefetchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefetchStream,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchResponse.SerializeToString,
+            ),
             'BeginPass': grpc.unary_unary_rpc_method_handler(
                     servicer.BeginPass,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassResponse.SerializeToString,
+            ),
+            'BeginPassStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.BeginPassStream,
                     request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassRequest.FromString,
                     response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassResponse.SerializeToString,
             ),
@@ -241,6 +330,26 @@ def add_EmbeddingCacheServiceServicer_to_server(servicer, server):
                     servicer.EndPass,
                     request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.EndPassRequest.FromString,
                     response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.EndPassResponse.SerializeToString,
+            ),
+            'PrefetchBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefetchBatch,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchResponse.SerializeToString,
+            ),
+            'PrefetchBatchStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.PrefetchBatchStream,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.RenewLeasesResponse.SerializeToString,
+            ),
+            'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLeases,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ReleaseLeasesRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ReleaseLeasesResponse.SerializeToString,
             ),
             'Flush': grpc.unary_unary_rpc_method_handler(
                     servicer.Flush,
@@ -256,6 +365,11 @@ def add_EmbeddingCacheServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.StatsRequest.FromString,
                     response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.StatsResponse.SerializeToString,
+            ),
+            'ResidentKeys': grpc.unary_stream_rpc_method_handler(
+                    servicer.ResidentKeys,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -485,6 +599,33 @@ class EmbeddingCacheService:
             _registered_method=True)
 
     @staticmethod
+    def PrefetchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/PrefetchStream',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def BeginPass(request,
             target,
             options=(),
@@ -499,6 +640,33 @@ class EmbeddingCacheService:
             request,
             target,
             '/embcache.rpc.v1.EmbeddingCacheService/BeginPass',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginPassStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/BeginPassStream',
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassRequest.SerializeToString,
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.BeginPassResponse.FromString,
             options,
@@ -528,6 +696,114 @@ class EmbeddingCacheService:
             '/embcache.rpc.v1.EmbeddingCacheService/EndPass',
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.EndPassRequest.SerializeToString,
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.EndPassResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/PrefetchBatch',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchBatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/PrefetchBatchStream',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/RenewLeases',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.RenewLeasesRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/ReleaseLeases',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ReleaseLeasesRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ReleaseLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -609,6 +885,33 @@ class EmbeddingCacheService:
             '/embcache.rpc.v1.EmbeddingCacheService/Stats',
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.StatsRequest.SerializeToString,
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResidentKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/ResidentKeys',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysResponse.FromString,
             options,
             channel_credentials,
             insecure,
