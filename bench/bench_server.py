@@ -113,7 +113,8 @@ def serve_echo(port_file: str, workers: int) -> None:
     os.replace(port_file + ".tmp", port_file)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.2):  # short waits: a SIGTERM taken by a gRPC thread wakes no long wait
+        pass
     server.stop(0)
 
 

@@ -7,10 +7,12 @@ workload and restart it on the same store.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import ipaddress
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -285,6 +287,40 @@ def test_sigusr1_prints_every_threads_stack_and_the_server_keeps_serving(served:
     dump = server.log()[before:]
     assert dump.count("Thread 0x") >= 3 and "embcache/server/main.py" in dump, dump
     assert _lookup(stub, "b", [1, 2, 3]).shape == (3, 8)
+
+
+_TGKILL = {"x86_64": 234, "aarch64": 131}  # the tgkill syscall's number
+
+
+def _threads_taking(pid: int, sig: int) -> list[int]:
+    """Threads of ``pid`` other than its main thread that do not block ``sig``."""
+    tids = []
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid):
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", status, re.M).group(1), 16)  # type: ignore[union-attr]
+        if not blocked >> (sig - 1) & 1:
+            tids.append(tid)
+    return tids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine not in _TGKILL,
+                    reason="sends a signal to one thread with tgkill (Linux, x86_64 or aarch64)")
+def test_sigterm_taken_by_another_thread_still_stops_the_server_at_once(tmp_path: Path) -> None:
+    """The kernel hands a process's SIGTERM to any thread that does not block it (gRPC's, the store's);
+    Python runs the handler on the main thread, which must notice soon. It waited in one wait of an
+    hour and answered only when something else woke it: a server still up 60 s after SIGTERM."""
+    server = LocalServer(tmp_path / "store", args=SMALL, workdir=tmp_path / "run", start_timeout=START_TIMEOUT).start()
+    try:
+        assert server.proc is not None
+        pid = server.proc.pid
+        other = _threads_taking(pid, signal.SIGTERM)
+        assert other, "the server runs no thread besides its main one"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(_TGKILL[os.uname().machine], pid, other[-1], int(signal.SIGTERM)) == 0
+        assert server.proc.wait(30) == 0
+        assert "stopped cleanly" in server.log()
+    finally:
+        server.kill()
 
 
 # ---------------------------------------------------------------------- TLS, mutual TLS, bearer tokens

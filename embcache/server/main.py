@@ -108,6 +108,7 @@ __all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "load_setti
 log = logging.getLogger("embcache.server")
 # How long shutdown waits, past the grace period, for gRPC to report every call ended.
 _STOP_SLACK_SECONDS = 10.0
+_SIGNAL_POLL_SECONDS = 0.2  # how soon the main thread notices a signal another thread received
 
 _METHOD_PREFIX = f"/{SERVICE_NAME}/"
 #: Environment variable holding the pid of the process that started this server (set by
@@ -596,7 +597,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"durability: {running.durability.describe()}", flush=True)
     if s.port_file:
         _write_port_file(s.port_file, running)
-    while not stop.wait(3600):
+    # Short waits: CPython runs signal handlers on the main thread only, and a signal the kernel hands
+    # to another thread (any of gRPC's or the store's may take a process-directed SIGTERM) does not
+    # wake a main thread blocked in a long wait. With one wait of an hour, SIGTERM was answered only
+    # when something else woke it (seen in tests: a server still up 60 s after SIGTERM).
+    while not stop.wait(_SIGNAL_POLL_SECONDS):
         pass
     t0 = time.perf_counter()
     print("embcache-server: shutting down (NOT_SERVING, draining calls, flushing)", flush=True)
