@@ -22,8 +22,9 @@ Afterwards this collects every ``summary`` row (a measured ratio against a refer
 in the same run, and its target) into ``report.md`` and ``report.json`` (``report-quick.*`` in
 quick mode). The report states, per benchmark, the commit and date its result was measured at
 (from the result's JSON, not this run's checkout) and marks it **stale** when that commit
-predates the latest commit that changed ``embcache/`` or the benchmark's script (or when no
-commit was recorded). In full mode a benchmark without a full result contributes its quick
+predates the latest commit that changed the benchmark's script or ``embcache/`` (for every
+benchmark but ``server``, less the gRPC server, RPC and client code, which only ``server`` runs),
+or when no commit was recorded. In full mode a benchmark without a full result contributes its quick
 result, marked "quick".
 
 ``--device {auto,cpu,cuda}`` goes to the benchmarks that can measure on a GPU (``index``: the
@@ -69,6 +70,7 @@ class Bench:
     what: str = ""
     device: bool = False  # takes --device {auto,cpu,cuda}
     in_quick: bool = True  # runs in quick mode (else full mode only)
+    served: bool = False  # runs embcache-server and Client (else none of their code runs)
 
 
 SUITE = (
@@ -79,7 +81,7 @@ SUITE = (
     Bench("scale", "bench_scale.py", "scale", what="per-row cost at 1M, 10M (and 100M) rows"),
     Bench("dlrm", "bench_dlrm.py", "dlrm", what="DLRM training throughput: in-memory torch vs embcache with and "
           "without prefetch"),
-    Bench("server", "bench_server.py", "server", what="gRPC pull/push vs a raw gRPC echo and Redis"),
+    Bench("server", "bench_server.py", "server", served=True, what="gRPC pull/push vs a raw gRPC echo and Redis"),
     Bench("index", "bench_index.py", "index", device=True, what="key -> slot find, erase, insert rates: numba, "
           "torch (CPU and CUDA), dict"),
     Bench("gpu", "bench_gpu.py", "gpu", device=True, what="HBM-tier lookup and update keys/s on CUDA vs "
@@ -158,9 +160,21 @@ def result_path(b: Bench, quick: bool, results: Path = RESULTS) -> Path | None:
     return None
 
 
+# The code only the gRPC server and its client run: a change there cannot move the results of a
+# benchmark that starts neither (every benchmark but ``server``).
+SERVED_CODE = ("embcache/server", "embcache/rpc", "embcache/client.py")
+
+
+def code_paths(b: Bench) -> list[str]:
+    """Git pathspecs of the code ``b``'s results depend on: ``embcache/`` (less the served code
+    unless ``b.served``) and ``b``'s script."""
+    excluded = [] if b.served else [f":(exclude){p}" for p in SERVED_CODE]
+    return ["embcache", *excluded, f"bench/{b.script}"]
+
+
 def latest_change(b: Bench) -> dict[str, str | None]:
-    """The latest commit that changed ``embcache/`` or ``b``'s script (what its results depend on)."""
-    out = _git("log", "-1", "--format=%H%x09%cI", "--", "embcache", f"bench/{b.script}")
+    """The latest commit that changed the code ``b``'s results depend on (:func:`code_paths`)."""
+    out = _git("log", "-1", "--format=%H%x09%cI", "--", *code_paths(b))
     commit, _, date = out.stdout.strip().partition("\t")
     return {"commit": commit or None, "date": date or None}
 
@@ -177,7 +191,8 @@ def provenance(b: Bench, doc: dict[str, Any]) -> dict[str, Any]:
     if when is None and isinstance(m.get("unix_time"), (int, float)):
         when = datetime.datetime.fromtimestamp(m["unix_time"], datetime.timezone.utc).isoformat(timespec="seconds")
     dirty_paths = [p for p in m.get("git_dirty_paths") or []
-                   if p.startswith("embcache/") or p == f"bench/{b.script}"]
+                   if (p.startswith("embcache/") and (b.served or not p.startswith(SERVED_CODE)))
+                   or p == f"bench/{b.script}"]
     latest = latest_change(b)
     if not commit:
         stale, why = True, "no commit recorded in the result"
@@ -188,7 +203,7 @@ def provenance(b: Bench, doc: dict[str, Any]) -> dict[str, Any]:
         if rc == 0:
             stale, why = False, ""
         elif rc == 1:
-            stale, why = True, f"{latest['commit'][:7]} ({(latest['date'] or '')[:10]}) changed embcache/ or the script"
+            stale, why = True, f"{latest['commit'][:7]} ({(latest['date'] or '')[:10]}) changed its code or script"
         else:
             stale, why = True, f"commit {commit[:7]} is not in this repository's history"
     return {"commit": commit, "measured_at": when, "dirty": m.get("git_dirty"), "dirty_code_paths": dirty_paths,

@@ -60,7 +60,8 @@ def target_table(targets: Sequence[dict[str, Any]], mark_quick: bool = True) -> 
 
     The "measured at" column is the commit the row's result was measured at (``measured_commit``,
     from the result's JSON), marked **stale** when the report found it older than the latest change
-    to ``embcache/`` or the benchmark's script. A ratio is shown with more than two digits where two
+    to the code it runs (``embcache/``, less the server and client code for all but ``server``)
+    or to the benchmark's script. A ratio is shown with more than two digits where two
     would hide which side of 1x or of the target it lies (0.997x, not 1.00x).
     """
     lines = ["| benchmark | case | reference | ratio | target | met? | measured at |",
@@ -84,7 +85,9 @@ def section(report: dict[str, Any]) -> str:
     """The generated part of the performance section, in Markdown."""
     lines = [BEGIN, "", METHOD, "",
              "Targets of every issue, from `bench/results/report.md` (each row names the commit its result was "
-             "measured at; **stale**: measured before the latest change to `embcache/` or the benchmark's script):",
+             "measured at; **stale**: measured before the latest change to the code it runs (`embcache/`; "
+             "for all but `server`, less the gRPC server, RPC and client code, which only it starts) or "
+             "to the benchmark's script):",
              ""]
     lines += target_table(report.get("targets", []))
     for title, stem in PLOTS:

@@ -99,6 +99,21 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def test_only_the_server_benchmark_goes_stale_when_only_server_or_client_code_changes() -> None:
+    """A change to the gRPC server, RPC or client code cannot move a benchmark that starts neither."""
+    by_name = {b.name: b for b in runner.SUITE}
+    server, scale = by_name["server"], by_name["scale"]
+    assert [b.name for b in runner.SUITE if b.served] == ["server"]
+    assert not any(p.startswith(":(exclude)") for p in runner.code_paths(server))
+    for b in (server, scale):
+        commit = runner.latest_change(b)["commit"]
+        assert commit is not None
+        changed = _git("show", "--format=", "--name-only", commit).splitlines()
+        relevant = [p for p in changed if p == f"bench/{b.script}" or (
+            p.startswith("embcache/") and (b.served or not p.startswith(runner.SERVED_CODE)))]
+        assert relevant, (b.name, commit, changed)
+
+
 def test_report_states_each_results_commit_and_marks_stale_ones(tmp_path: Path) -> None:
     scale = next(b for b in runner.SUITE if b.name == "scale")
     latest = runner.latest_change(scale)["commit"]
@@ -116,7 +131,7 @@ def test_report_states_each_results_commit_and_marks_stale_ones(tmp_path: Path) 
     assert rows[0]["measured_commit"] == latest and rows[0]["stale"] is False
     write(first)
     info, rows = runner.collect(scale, quick=False, results=tmp_path)
-    assert info["stale"] is True and "changed embcache/ or the script" in info["stale_reason"]
+    assert info["stale"] is True and "changed its code or script" in info["stale_reason"]
     write(None)
     info, _ = runner.collect(scale, quick=False, results=tmp_path)
     assert info["stale"] is True and "no commit" in info["stale_reason"]
