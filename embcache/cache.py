@@ -73,7 +73,7 @@ from .policy import Clock, FrequencySketch, Policy, default_halflife, make_polic
 from .prefetch import PrefetchFuture
 from .stores import Store, open_store
 from .tier import MemoryTier, RowBatch, resident_row_bytes
-from .types import Tier
+from .types import Tier, memory_tier
 
 __all__ = ["EmbeddingCache"]
 
@@ -1636,10 +1636,15 @@ class EmbeddingCache:
         return out
 
     def resident_keys(self, table: str, tier: str) -> torch.Tensor:
-        """Keys (int64, CPU) of ``table`` resident in ``tier`` ("hbm" or "ddr"), for inspection."""
+        """Keys (int64, CPU) of ``table`` resident in ``tier`` ("hbm" or "ddr"), for inspection.
+
+        Raises:
+            ConfigError: ``tier`` is not "hbm" or "ddr". UnknownTableError, CacheClosedError.
+        """
+        hbm = memory_tier(tier) is Tier.HBM
         t = self._table(table)
         with t.lock:
-            mt = {"hbm": t.hbm, "ddr": t.ddr}[Tier(tier).value]
+            mt = t.hbm if hbm else t.ddr
             return mt.keys[mt.occupied_slots()].cpu()
 
 

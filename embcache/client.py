@@ -92,6 +92,7 @@ from .rpc.errors import (
 from .rpc.v1 import embcache_pb2 as pb
 from .rpc.v1 import embcache_pb2_grpc as pb_grpc
 from .tier import resident_row_bytes
+from .types import memory_tier
 
 __all__ = [
     "Client",
@@ -1426,8 +1427,7 @@ class Client:
         Raises:
             ConfigError: ``tier`` is not "hbm" or "ddr". UnknownTableError, UnavailableError.
         """
-        if tier not in ("hbm", "ddr"):
-            raise ConfigError(f"tier must be 'hbm' or 'ddr', got {tier!r}")
+        memory_tier(tier)
         self._dims([table])
         shards = self._topo.shards
         calls = [(s, "ResidentKeys", pb.ResidentKeysRequest(table=table, tier=tier)) for s in shards]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from enum import Enum, unique
 
-__all__ = ["Initializer", "Optimizer", "PolicyName", "StorageDtype", "StoreKind", "Tier"]
+from .errors import ConfigError
+
+__all__ = ["Initializer", "Optimizer", "PolicyName", "StorageDtype", "StoreKind", "Tier", "memory_tier"]
 
 
 @unique
@@ -14,6 +16,17 @@ class Tier(str, Enum):
     HBM = "hbm"
     DDR = "ddr"
     SSD = "ssd"
+
+
+def memory_tier(tier: str) -> Tier:
+    """``tier`` named as a memory tier, HBM or DDR (the tiers that hold rows by slot).
+
+    Raises:
+        ConfigError: any other value ("ssd" included).
+    """
+    if tier not in (Tier.HBM, Tier.DDR):
+        raise ConfigError(f"tier must be 'hbm' or 'ddr', got {tier!r}")
+    return Tier(tier)
 
 
 @unique

@@ -240,6 +240,16 @@ def test_lru_policy_keeps_recent_keys(make_cache: Any) -> None:
     assert set(cache.resident_keys("t", "hbm").tolist()) == set(range(92, 100))
 
 
+def test_resident_keys_names_the_memory_tiers_it_serves(make_cache: Any) -> None:
+    cache = make_cache(hbm_rows=8, ddr_rows=8)
+    cache.lookup("t", torch.arange(4))
+    for tier in ("ssd", "HBM", ""):
+        with pytest.raises(ConfigError, match="tier must be 'hbm' or 'ddr'"):
+            cache.resident_keys("t", tier)
+    assert set(cache.resident_keys("t", "hbm").tolist()) == {0, 1, 2, 3}
+    assert cache.resident_keys("t", "ddr").numel() == 0
+
+
 def test_user_score_function(make_cache: Any) -> None:
     # evict the largest keys first: the score is minus the key's last access... here: prefer small ids
     def score(freq: torch.Tensor, last: torch.Tensor, now: int) -> torch.Tensor:

@@ -30,7 +30,6 @@ import torch
 from ..cache import EmbeddingCache
 from ..errors import (
     CacheClosedError,
-    ConfigError,
     EmbcacheError,
     InvalidGradientError,
     InvalidKeysError,
@@ -496,8 +495,6 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
                      context: grpc.ServicerContext) -> Iterator[pb.ResidentKeysResponse]:
         """The keys resident in one tier, in chunks below the send limit (one empty chunk for none)."""
         def stream() -> Iterator[pb.ResidentKeysResponse]:
-            if request.tier not in ("hbm", "ddr"):
-                raise ConfigError(f"tier must be 'hbm' or 'ddr', got {request.tier!r}")
             keys = self._cache.resident_keys(request.table, request.tier).numpy()
             per = max((self._info.max_send_message_bytes or (64 << 20)) - (1 << 16), 1 << 15) // 8
             for start in range(0, max(keys.size, 1), per):
