@@ -9,7 +9,7 @@ INVALID_ARGUMENT with a message, never a crash or a silent reinterpretation.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ __all__ = [
     "encode_keyset",
     "encode_tensor",
     "merge_keysets",
+    "prefetch_results",
     "table_from_proto",
     "table_to_proto",
 ]
@@ -169,6 +170,12 @@ def merge_keysets(parts: Sequence[Keyset]) -> Keyset:
         return Keyset(keys, counts)
     uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
     return Keyset(uniq, torch.zeros(uniq.numel(), dtype=torch.int64).index_add_(0, inverse, counts))
+
+
+def prefetch_results(result: Mapping[str, Mapping[str, float]]) -> list[pb.PrefetchTableResult]:
+    """The wire form of a staging result, ``{table: {"staged_rows", "leased_rows", "seconds"}}``."""
+    return [pb.PrefetchTableResult(table=name, staged_rows=int(r["staged_rows"]), leased_rows=int(r["leased_rows"]),
+                                   seconds=float(r["seconds"])) for name, r in result.items()]
 
 
 def table_to_proto(cfg: TableConfig) -> pb.TableConfig:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from ..cache import EmbeddingCache
 from ..keyset import Keyset
 from ..prefetch import PrefetchFuture
+from ..rpc.codec import prefetch_results
 from ..rpc.errors import status_of
 from ..rpc.v1 import embcache_pb2 as pb
 
@@ -236,6 +237,4 @@ def _status(lease_id: str, lease: _Lease | None) -> pb.LeaseStatus:
     if error is not None:
         return pb.LeaseStatus(lease_id=lease_id, state=_State.FAILED, error_type=status_of(error)[1],
                               error_message=str(error))
-    return pb.LeaseStatus(lease_id=lease_id, state=_State.DONE, tables=[
-        pb.PrefetchTableResult(table=name, staged_rows=int(r["staged_rows"]), leased_rows=int(r["leased_rows"]),
-                               seconds=float(r["seconds"])) for name, r in future.result().items()])
+    return pb.LeaseStatus(lease_id=lease_id, state=_State.DONE, tables=prefetch_results(future.result()))

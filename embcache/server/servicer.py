@@ -396,9 +396,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         context.add_callback(on_end)
         result = fut.result()
         finished.set()
-        yield pb.PrefetchResponse(done=True, tables=[
-            pb.PrefetchTableResult(table=n, staged_rows=int(r["staged_rows"]), leased_rows=int(r["leased_rows"]),
-                                   seconds=float(r["seconds"])) for n, r in result.items()])
+        yield pb.PrefetchResponse(done=True, tables=codec.prefetch_results(result))
 
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> Iterator[pb.PrefetchResponse]:
         """Start staging; with ``wait``, a second message when done (cancelling the call stops the staging)."""
