@@ -108,7 +108,6 @@ __all__ = [
 
 log = logging.getLogger("embcache.client")
 
-_MESSAGE_MARGIN = 1 << 16  # bytes kept free in each message for framing and table names
 _U64 = np.uint64
 
 
@@ -1056,7 +1055,7 @@ class Client:
 
     def _chunks(self, parts: list[_Part], row_bytes: Mapping[str, int]) -> list[list[_Part]]:
         """Group parts into requests of at most the message limit, cutting a table's part where needed."""
-        budget = max(self._max_message - _MESSAGE_MARGIN, 1 << 15)
+        budget = wire.payload_budget(self._max_message)
         chunks: list[list[_Part]] = [[]]
         room = budget
         for part in parts:
@@ -1236,7 +1235,7 @@ class Client:
                 continue
             for i, pos in enumerate(topo.ring.split(keys)):  # ascending positions: each part stays ascending
                 per_shard[i].append(_Part(table, pos, keys[pos], counts[pos]))
-        budget = max(self._max_message - _MESSAGE_MARGIN, 1 << 15)
+        budget = wire.payload_budget(self._max_message)
         calls: list[tuple[_Shard, str, Any]] = []
         for shard, parts in zip(topo.shards, per_shard, strict=True):
             n = sum(p.keys.shape[0] for p in parts)

@@ -43,6 +43,7 @@ __all__ = [
     "parse_lookup_request",
     "parse_lookup_response",
     "parse_values_request",
+    "payload_budget",
 ]
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -53,6 +54,12 @@ _DTYPE_NAMES = {np.dtype("<i8"): b"int64", np.dtype("<i4"): b"int32", np.dtype("
 # ---------------------------------------------------------------------- encoding
 _ALIGN = 16  # tensor data starts at a multiple of this offset in the message (see _layout)
 _PAD_KEY = bytes([15 << 3 | _LEN])  # Tensor.padding (field 15): zeros written before data to align it
+_MESSAGE_MARGIN = 1 << 16  # bytes kept free in each message for framing, table names and options
+
+
+def payload_budget(max_message: int) -> int:
+    """Bytes of tensor data (keys, rows, counts) one message of at most ``max_message`` bytes may carry."""
+    return max(max_message - _MESSAGE_MARGIN, 1 << 15)
 
 
 def _varint(n: int) -> bytes:

@@ -494,7 +494,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """The keys resident in one tier, in chunks below the send limit (one empty chunk for none)."""
         def stream() -> Iterator[pb.ResidentKeysResponse]:
             keys = self._cache.resident_keys(request.table, request.tier).numpy()
-            per = max((self._info.max_send_message_bytes or (64 << 20)) - (1 << 16), 1 << 15) // 8
+            per = wire.payload_budget(self._info.max_send_message_bytes or (64 << 20)) // 8
             for start in range(0, max(keys.size, 1), per):
                 yield pb.ResidentKeysResponse(keys=codec.encode_tensor(keys[start:start + per]))
         yield from self._run_stream("ResidentKeys", context, stream())
