@@ -866,11 +866,22 @@ class Client:
             The embcache error of the first call that failed for good.
         """
         outcomes = self._fanout_outcomes(calls, idempotent, timeout, stop_on_failure=True)
-        errors = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, grpc.RpcError)]
-        if errors:  # a failure for good says more than one that was still being resent
-            i, err = next(((i, e) for i, e in errors if not self._resendable(e, idempotent)), errors[0])
-            raise error_from_rpc(err, calls[i][0].address) from None
+        failure = self._failure(calls, outcomes, idempotent)
+        if failure is not None:
+            raise failure from None
         return outcomes
+
+    def _failure(self, calls: list[tuple[_Shard, str, Any]], outcomes: list[Any],
+                 idempotent: bool) -> EmbcacheError | None:
+        """The embcache error of the failed call that says most, or None when every call succeeded.
+
+        A failure for good says more than one that was still being resent when time or retries ran out.
+        """
+        errors = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, grpc.RpcError)]
+        if not errors:
+            return None
+        i, err = next(((i, e) for i, e in errors if not self._resendable(e, idempotent)), errors[0])
+        return error_from_rpc(err, calls[i][0].address)
 
     def _resendable(self, err: grpc.RpcError, idempotent: bool) -> bool:
         """Whether a failed call is safe to send again.
@@ -1282,8 +1293,8 @@ class Client:
         """
         calls = self._keyset_calls(keysets, "BeginPass", lambda p: pb.BeginPassRequest(keysets=p))
         outcomes = self._fanout_outcomes(calls, idempotent=False, timeout=self._long_timeout)
-        failed = [(shard, o) for (shard, _, _), o in zip(calls, outcomes, strict=True) if isinstance(o, grpc.RpcError)]
-        if failed:
+        failure = self._failure(calls, outcomes, idempotent=False)
+        if failure is not None:
             for (shard, _, _), o in zip(calls, outcomes, strict=True):
                 if isinstance(o, grpc.RpcError):
                     continue
@@ -1291,7 +1302,7 @@ class Client:
                     self._open_streams([(shard, "EndPass", pb.EndPassRequest(wait=False))], self._timeout)
                 except EmbcacheError:
                     pass
-            raise error_from_rpc(failed[0][1], failed[0][0].address)
+            raise failure
         out: dict[str, dict[str, int]] = {}
         for reply in outcomes:
             for r in reply.tables:
@@ -1344,10 +1355,10 @@ class Client:
         parts = [_LeasePart(shard, o.lease_id, o.ttl_seconds or self._lease_ttl)
                  for (shard, _, _), o in zip(calls, outcomes, strict=True) if not isinstance(o, grpc.RpcError)]
         lease = RemoteLease(self._leases, parts, list(ks))
-        failed = [(shard, o) for (shard, _, _), o in zip(calls, outcomes, strict=True) if isinstance(o, grpc.RpcError)]
-        if failed:
+        failure = self._failure(calls, outcomes, idempotent=False)
+        if failure is not None:
             lease.cancel()
-            raise error_from_rpc(failed[0][1], failed[0][0].address)
+            raise failure
         self._leases.add(lease)
         return lease
 
