@@ -27,6 +27,7 @@ from .errors import (
 )
 from .keyset import Keyset
 from .prefetch import LookAhead, PrefetchFuture
+from .rpc.errors import DataLossError, ShardRestartedError
 from .types import Initializer, Optimizer, PolicyName, StoreKind, Tier
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointExistsError",
     "Client",
     "ConfigError",
+    "DataLossError",
     "EmbcacheError",
     "EmbeddingCache",
     "Initializer",
@@ -51,6 +53,7 @@ __all__ = [
     "PassStateError",
     "PolicyName",
     "PrefetchFuture",
+    "ShardRestartedError",
     "StoreError",
     "StoreFullError",
     "StoreKind",

@@ -33,6 +33,12 @@ refused them before they had any effect (UNAVAILABLE with ``embcache-not-applied
 draining at shutdown); then they are resent like the idempotent calls. Only the failed shards'
 calls are resent; each resend is logged (logger ``embcache.client``, INFO).
 
+Restarts: every write reply carries a receipt (the server process's random incarnation and the
+write's number there); :meth:`Client.flush` and :meth:`Client.checkpoint` settle the receipts
+held since the last flush and raise :class:`DataLossError` when a shard's restart lost writes it
+had acknowledged (:mod:`embcache.receipts`); a pass or staging lease dropped by a restart raises
+:class:`ShardRestartedError`.
+
 Shards from DNS (``"dns:///name:port"``) are resolved when the client is made; ``expected_shards``
 makes it wait until the name gives that many, and :meth:`Client.refresh_shards` resolves again.
 
@@ -72,17 +78,21 @@ from .errors import (
     InvalidKeysError,
     InvalidRowsError,
     NonFiniteGradientError,
+    PassStateError,
     UnknownTableError,
 )
 from .keys import as_key_tensor
 from .keyset import Keyset, as_keysets
 from .optim import state_width
 from .prefetch import PrefetchFuture
+from .receipts import Receipts, loss_error
 from .rpc import codec, wire
 from .rpc.errors import (
+    DataLossError,
     DeadlineExceededError,
     PermissionDeniedError,
     RemoteError,
+    ShardRestartedError,
     UnauthenticatedError,
     UnavailableError,
     error_from_name,
@@ -96,12 +106,14 @@ from .types import memory_tier
 
 __all__ = [
     "Client",
+    "DataLossError",
     "DeadlineExceededError",
     "HashRing",
     "PermissionDeniedError",
     "RemoteError",
     "RemoteFuture",
     "RemoteLease",
+    "ShardRestartedError",
     "UnauthenticatedError",
     "UnavailableError",
 ]
@@ -265,7 +277,9 @@ class _LeasePart:
     shard: _Shard
     lease_id: str
     ttl: float
+    incarnation: int = 0  # the server process that granted it
     status: pb.LeaseStatus | None = None  # the first final state reported; never changed after
+    restarted_to: int = 0  # a renewal was answered by another process (the server restarted): its incarnation
     gone: bool = False  # the server reported it unknown or cancelled: nothing left to renew or release
     failing_since: float | None = None  # renewals of it have failed since then
 
@@ -326,6 +340,12 @@ class RemoteLease(PrefetchFuture):
         if _LeaseState.FAILED in by_state:  # the staging error says most
             p, st = by_state[_LeaseState.FAILED]
             error = error_from_name(st.error_type, st.error_message, p.shard.address)
+        elif _LeaseState.UNKNOWN in by_state and by_state[_LeaseState.UNKNOWN][0].restarted_to:
+            p, _ = by_state[_LeaseState.UNKNOWN]
+            error = ShardRestartedError(f"batch lease {p.lease_id} was dropped by a restart of server "
+                                        f"{p.shard.address} (process {p.incarnation:016x} -> "
+                                        f"{p.restarted_to:016x}); its rows did not stay pinned",
+                                        p.shard.address, p.incarnation, p.restarted_to)
         elif _LeaseState.UNKNOWN in by_state:
             p, _ = by_state[_LeaseState.UNKNOWN]
             error = UnavailableError(f"batch lease {p.lease_id} is gone from server {p.shard.address} (no renewal "
@@ -448,6 +468,8 @@ class _LeaseKeeper:
                 continue
             for p in parts:
                 p.failing_since = None
+                if reply.incarnation and p.incarnation and reply.incarnation != p.incarnation:
+                    p.restarted_to = reply.incarnation
             retry_at.pop(name, None)
             next_renew[name] = time.monotonic() + ttl / 3
             self._apply(parts, list(reply.leases))
@@ -731,6 +753,8 @@ class Client:
         self._closed = False
         self._lease_ttl = float(lease_ttl)
         self._leases = _LeaseKeeper(self)
+        self._receipts = Receipts()  # acknowledged writes per shard, until a flush shows them durable
+        self._pass_incarnations: dict[str, int] = {}  # shard name -> the process that holds this client's pass
         try:
             self._refresh_tables(timeout=connect_timeout)
         except BaseException:
@@ -940,8 +964,9 @@ class Client:
         return getattr(shard.stub, method)(body, timeout=max(deadline - time.monotonic(), 0.001),
                                            metadata=self._metadata, wait_for_ready=self._wait)
 
-    def _open_streams(self, calls: list[tuple[_Shard, str, Any]], timeout: float) -> list[Any]:
-        """Start server-streaming calls and read each one's first message (errors raise here).
+    def _open_streams(self, calls: list[tuple[_Shard, str, Any]], timeout: float,
+                      firsts: list[Any] | None = None) -> list[Any]:
+        """Start server-streaming calls and read each one's first message (errors raise here; ``firsts`` gets them).
 
         A call the server refused before it had any effect (UNAVAILABLE marked not applied, as a
         draining server refuses) is started again, with backoff, within ``retries`` and the
@@ -955,7 +980,9 @@ class Client:
                 attempt = 0
                 while True:
                     try:
-                        next(streams[i])
+                        first = next(streams[i])
+                        if firsts is not None:
+                            firsts.append(first)
                         break
                     except grpc.RpcError as err:
                         if (attempt < self._retries and self._resendable(err, idempotent=False)
@@ -1221,8 +1248,15 @@ class Client:
                     pb.TableValues(table=p.table, keys=codec.encode_tensor(p.keys),
                                    values=codec.encode_tensor(p.values))  # type: ignore[arg-type]
                     for p in chunk]) for chunk in chunks]))
-        if calls:
-            self._fanout(calls, idempotent=False)
+        if not calls:
+            return
+        outcomes = self._fanout_outcomes(calls, idempotent=False, stop_on_failure=True)
+        for (shard, _, _), reply in zip(calls, outcomes, strict=True):
+            if not isinstance(reply, grpc.RpcError):  # applied there: keep its receipt, whatever the others did
+                self._receipts.add(shard.name, reply.receipt.incarnation, reply.receipt.seq)
+        failure = self._failure(calls, outcomes, idempotent=False)
+        if failure is not None:
+            raise failure from None
 
     # ------------------------------------------------------------------ passes
     def _keyset_calls(self, keysets: Mapping[str, Any], method: str, make: Callable[[list[pb.TableKeyset]], Any],
@@ -1303,6 +1337,9 @@ class Client:
                 except EmbcacheError:
                     pass
             raise failure
+        with self._lock:
+            self._pass_incarnations = {shard.name: reply.incarnation for (shard, _, _), reply in
+                                       zip(calls, outcomes, strict=True)}
         out: dict[str, dict[str, int]] = {}
         for reply in outcomes:
             for r in reply.tables:
@@ -1321,10 +1358,32 @@ class Client:
             A future of the number of rows written back, summed over shards.
 
         Raises:
-            PassStateError: no pass is active. UnavailableError, DeadlineExceededError.
+            PassStateError: no pass is active. ShardRestartedError: a shard restarted since
+                :meth:`begin_pass` and its new process holds no pass (the rows it had pinned were
+                unpinned by the restart; acknowledged writes are accounted for by :meth:`flush`).
+            UnavailableError, DeadlineExceededError.
         """
         calls = [(s, "EndPass", pb.EndPassRequest(wait=True)) for s in self._topo.shards]
-        streams = self._open_streams(calls, self._long_timeout)
+        with self._lock:
+            began, self._pass_incarnations = self._pass_incarnations, {}
+        firsts: list[Any] = []
+        try:
+            streams = self._open_streams(calls, self._long_timeout, firsts)
+        except PassStateError as exc:
+            address, now = getattr(exc, "address", ""), getattr(exc, "incarnation", 0)
+            shard = next((s for s in self._topo.shards if s.address == address), None)
+            before = began.get(shard.name, 0) if shard is not None else 0
+            if before and now and now != before:
+                raise ShardRestartedError(f"end_pass: server {address} restarted since begin_pass (process "
+                                          f"{before:016x} -> {now:016x}) and its new process holds no pass",
+                                          address, before, now) from exc
+            raise
+        for (shard, _, _), first in zip(calls, firsts, strict=True):
+            before = began.get(shard.name, 0)
+            if before and first.incarnation and first.incarnation != before:
+                raise ShardRestartedError(f"end_pass: server {shard.address} restarted since begin_pass (process "
+                                          f"{before:016x} -> {first.incarnation:016x}); the pass it ended there "
+                                          f"was another's", shard.address, before, first.incarnation)
         return self._finish_streams(streams, calls, lambda finals: sum(int(f.written_rows) for f in finals))
 
     # ------------------------------------------------------------------ batch leases
@@ -1352,7 +1411,7 @@ class Client:
         calls = self._keyset_calls(ks, "PrefetchBatch", lambda p: pb.PrefetchBatchRequest(
             keysets=p, ttl_seconds=self._lease_ttl), every_shard=False)
         outcomes = self._fanout_outcomes(calls, idempotent=False) if calls else []
-        parts = [_LeasePart(shard, o.lease_id, o.ttl_seconds or self._lease_ttl)
+        parts = [_LeasePart(shard, o.lease_id, o.ttl_seconds or self._lease_ttl, o.incarnation)
                  for (shard, _, _), o in zip(calls, outcomes, strict=True) if not isinstance(o, grpc.RpcError)]
         lease = RemoteLease(self._leases, parts, list(ks))
         failure = self._failure(calls, outcomes, idempotent=False)
@@ -1363,14 +1422,45 @@ class Client:
         return lease
 
     # ------------------------------------------------------------------ durability and inspection
-    def flush(self) -> None:
-        """Make every acknowledged update durable on every shard (survives kill -9).
+    def _settling(self, method: str, shards: Sequence[_Shard], make: Callable[[_Shard, list[int]], Any],
+                  idempotent: bool) -> list[Any]:
+        """Send a Flush or Checkpoint per shard, carrying the incarnations it holds receipts of; settle them.
 
         Raises:
-            StoreError, UnavailableError, DeadlineExceededError.
+            DataLossError: a shard cannot prove durable some write it acknowledged (the call
+                succeeded everywhere else, or another shard's failure is named in the message).
+            The embcache error of the first call that failed for good otherwise.
         """
-        self._fanout([(s, "Flush", pb.FlushRequest()) for s in self._topo.shards], idempotent=True,
-                     timeout=self._long_timeout)
+        sent = [self._receipts.pending(s.name) for s in shards]
+        calls = [(s, method, make(s, list(p))) for s, p in zip(shards, sent, strict=True)]
+        outcomes = self._fanout_outcomes(calls, idempotent, timeout=self._long_timeout)
+        losses = []
+        for (shard, _, _), pending, reply in zip(calls, sent, outcomes, strict=True):
+            if not isinstance(reply, grpc.RpcError):
+                losses += self._receipts.settle(shard.name, shard.address, pending,
+                                                [(d.incarnation, d.durable_seq, d.known) for d in reply.durable])
+        failure = self._failure(calls, outcomes, idempotent)
+        if losses:
+            raise loss_error(losses, method.lower(), failure)
+        if failure is not None:
+            raise failure from None
+        return outcomes
+
+    def flush(self) -> None:
+        """Make every acknowledged update durable on every shard (survives kill -9), or say which may be lost.
+
+        Each shard is asked, with the flush, about the server processes that acknowledged this
+        client's writes since its last flush: a shard whose process crashed and restarted since
+        (kill -9, OOM, power loss) cannot prove those writes durable, and this raises
+        :class:`DataLossError` naming it and counting them instead of returning. A clean restart
+        (SIGTERM) flushes first and loses nothing. A loss is reported once.
+
+        Raises:
+            DataLossError, StoreError, UnavailableError, DeadlineExceededError.
+        """
+        with self._lock:
+            shards = [*self._topo.shards, *(s for s in self._retired if self._receipts.pending(s.name))]
+        self._settling("Flush", shards, lambda _, incs: pb.FlushRequest(incarnations=incs), idempotent=True)
 
     def checkpoint(self, directory: str | os.PathLike[str]) -> list[str]:
         """Checkpoint every shard: ``directory`` (one shard) or ``directory/shard-<i>``, under each server's root.
@@ -1382,14 +1472,16 @@ class Client:
             The absolute paths the servers wrote, per shard.
 
         Raises:
+            DataLossError: as :meth:`flush` (the checkpoints were written; they lack those writes).
             CheckpointExistsError, PermissionDeniedError (outside the root), StoreError, UnavailableError.
         """
         directory = os.fspath(directory)
         shards = self._topo.shards
         names = [directory] if len(shards) == 1 else [os.path.join(directory, f"shard-{i}")
                                                       for i in range(len(shards))]
-        calls = [(s, "Checkpoint", pb.CheckpointRequest(directory=d)) for s, d in zip(shards, names, strict=True)]
-        replies = self._fanout(calls, idempotent=False, timeout=self._long_timeout)
+        where = dict(zip((s.name for s in shards), names, strict=True))
+        replies = self._settling("Checkpoint", shards, lambda s, incs: pb.CheckpointRequest(
+            directory=where[s.name], incarnations=incs), idempotent=False)
         return [r.directory for r in replies]
 
     def stats(self) -> dict[str, dict[str, Any]]:

@@ -36,10 +36,13 @@ from ..errors import (
 __all__ = [
     "ERROR_STATUS",
     "ERROR_TYPE_KEY",
+    "INCARNATION_KEY",
     "NOT_APPLIED_KEY",
+    "DataLossError",
     "DeadlineExceededError",
     "PermissionDeniedError",
     "RemoteError",
+    "ShardRestartedError",
     "UnauthenticatedError",
     "UnavailableError",
     "error_from_name",
@@ -52,6 +55,8 @@ __all__ = [
 ERROR_TYPE_KEY = "embcache-error-type"
 #: Trailing metadata key set ("1") when the request was refused before it had any effect.
 NOT_APPLIED_KEY = "embcache-not-applied"
+#: Trailing metadata key of a failed call: the answering server process's incarnation (hex).
+INCARNATION_KEY = "embcache-incarnation"
 
 
 class RemoteError(EmbcacheError, RuntimeError):
@@ -86,6 +91,46 @@ class UnauthenticatedError(RemoteError):
 
 class PermissionDeniedError(RemoteError):
     """The credentials are valid but not allowed this call (e.g. a read-only token writing)."""
+
+
+class ShardRestartedError(EmbcacheError, RuntimeError):
+    """A shard restarted (a new server process on its path) and dropped state this client relied on.
+
+    Raised for a pass or a batch lease that the earlier process held: its pins are gone.
+
+    Attributes:
+        address: the shard's address.
+        before, after: the incarnations (process ids drawn at start) that held the state and that answer now.
+    """
+
+    def __init__(self, message: str, address: str = "", before: int = 0, after: int = 0) -> None:
+        super().__init__(message)
+        self.address = address
+        self.before = before
+        self.after = after
+
+
+class DataLossError(ShardRestartedError):
+    """Writes this client had acknowledged from a shard may be lost: the process that acknowledged them
+    died before making them durable (kill -9, power loss, OOM) and a new one serves the shard's path.
+
+    Raised by ``Client.flush()`` and ``Client.checkpoint()`` instead of returning: the other shards
+    were flushed (or checkpointed) all the same. The receipts it reports are forgotten once raised,
+    so a later flush speaks only of writes after it; retrain or restore from a checkpoint.
+
+    Attributes:
+        address: the shard's address (the first one, when several lost writes; see ``losses``).
+        lost_writes: acknowledged write requests (calls to apply_gradients/assign, per shard) that
+            may be lost, over every shard.
+        since: unix time at which the oldest of them was acknowledged.
+        losses: ``[(address, incarnation, lost_writes, since)]`` per shard and process.
+    """
+
+    def __init__(self, message: str, losses: list[tuple[str, int, int, float]]) -> None:
+        super().__init__(message, losses[0][0] if losses else "", losses[0][1] if losses else 0)
+        self.losses = losses
+        self.lost_writes = sum(n for _, _, n, _ in losses)
+        self.since = min((t for _, _, _, t in losses), default=0.0)
 
 
 # The one table: error type -> status code. The most specific type wins (looked up along the MRO).
@@ -156,7 +201,15 @@ def error_from_rpc(err: grpc.RpcError, address: str = "") -> EmbcacheError:
         return cls(f"{code.name}: {details}{where}", code, address)
     exc = cls(details)
     exc.address = address  # type: ignore[attr-defined]  # which shard refused, for the curious
+    exc.incarnation = _incarnation(meta)  # type: ignore[attr-defined]  # which of its processes
     return exc
+
+
+def _incarnation(meta: dict[str, str]) -> int:
+    try:
+        return int(meta.get(INCARNATION_KEY, "0"), 16)
+    except ValueError:
+        return 0
 
 
 def error_from_name(name: str, message: str, address: str = "") -> EmbcacheError:

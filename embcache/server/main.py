@@ -28,6 +28,11 @@ Durability (what an acknowledged write survives):
                               applied in memory but not yet durable.
   A flush writes every dirty row and syncs the store (RocksDB WAL synced, LMDB env.sync), so
   what it covers survives kill -9 and power loss.
+  Across restarts: each process draws a random incarnation at start and numbers the writes it
+  acknowledges (every write reply carries both); each flush, and a clean stop, records in
+  PATH/server-incarnations.json how far its writes are durable. A restarted process answers
+  clients' Flush and Checkpoint calls for its predecessors, so embcache.Client.flush() raises
+  DataLossError, naming the shard, when a crash lost writes it had acknowledged.
 
 Shutdown (SIGTERM or SIGINT): the health service turns NOT_SERVING and new calls are refused with
 UNAVAILABLE, marked not applied (embcache.Client resends them, writes included), for
@@ -101,6 +106,7 @@ from ..config import CacheConfig, TableConfig
 from ..errors import ConfigError
 from ..rpc.v1 import embcache_pb2 as pb
 from .leases import MIN_TTL_SECONDS, LeaseTable
+from .ledger import WriteLedger
 from .servicer import READ_METHODS, SERVICE_NAME, WRITE_METHODS, Durability, EmbeddingCacheServicer, add_to_server
 
 __all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
@@ -442,6 +448,7 @@ class RunningServer:
             self.durability.stop()
             self.servicer.close()  # cancels the batch leases: nothing pinned is left to the cache's close
             self.cache.close()
+            self.durability.ledger.close()  # every write this process acknowledged is durable: say so on disk
             log.info("shutdown: cache flushed and closed after %.2f s", time.perf_counter() - t0)
             if self._metrics_httpd is not None:
                 self._metrics_httpd.shutdown()
@@ -502,11 +509,13 @@ def start_server(s: ServerSettings) -> RunningServer:
         def observe(method: str, code: str, seconds: float) -> None:
             latency.labels(method, code).observe(seconds)
 
-        durability = Durability(cache, s.flush_every_updates, s.flush_interval_seconds, s.sync)
+        durability = Durability(cache, WriteLedger(config.path, s.sync), s.flush_every_updates,
+                                s.flush_interval_seconds, s.sync)
         info = pb.ServerInfo(version=__version__, max_batch_keys=config.max_batch_keys,
                              reject_nonfinite=config.reject_nonfinite, max_receive_message_bytes=s.max_message_bytes,
                              max_send_message_bytes=s.max_message_bytes, device=str(cache.device),
-                             durability=durability.describe(), max_lease_seconds=float(s.max_lease_seconds))
+                             durability=durability.describe(), max_lease_seconds=float(s.max_lease_seconds),
+                             incarnation=durability.ledger.incarnation)
         servicer = EmbeddingCacheServicer(cache, durability, info, observe,
                                           s.checkpoint_root or os.path.join(config.path, "checkpoints"),
                                           LeaseTable(cache, float(s.max_lease_seconds)))

@@ -34,13 +34,15 @@ from ..errors import (
     InvalidGradientError,
     InvalidKeysError,
     InvalidRowsError,
+    StoreError,
 )
 from ..keyset import Keyset
 from ..rpc import codec, wire
-from ..rpc.errors import ERROR_TYPE_KEY, NOT_APPLIED_KEY, status_of
+from ..rpc.errors import ERROR_TYPE_KEY, INCARNATION_KEY, NOT_APPLIED_KEY, status_of
 from ..rpc.v1 import embcache_pb2 as pb
 from ..rpc.v1 import embcache_pb2_grpc as pb_grpc
 from .leases import LeaseTable
+from .ledger import WriteLedger
 
 __all__ = ["READ_METHODS", "SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer",
            "add_to_server"]
@@ -67,8 +69,12 @@ READ_METHODS = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["Embeddi
 class Durability:
     """When acknowledged writes are flushed to the store (see ``embcache-server --help``).
 
+    Every flush goes through the ledger, which records what it made durable (see
+    :mod:`embcache.server.ledger`).
+
     Args:
         cache: the cache to flush.
+        ledger: the server's write ledger.
         every_updates: flush in the write request that completes every N-th write request,
             before acknowledging it (0 = off).
         interval_seconds: flush from a background thread every S seconds when something was
@@ -76,11 +82,12 @@ class Durability:
         sync: flush in every write request before acknowledging it.
     """
 
-    def __init__(self, cache: EmbeddingCache, every_updates: int = 0, interval_seconds: float = 0.0,
-                 sync: bool = False) -> None:
+    def __init__(self, cache: EmbeddingCache, ledger: WriteLedger, every_updates: int = 0,
+                 interval_seconds: float = 0.0, sync: bool = False) -> None:
         if every_updates < 0 or interval_seconds < 0:
             raise ValueError("flush_every_updates and flush_interval_seconds must be >= 0")
         self._cache = cache
+        self.ledger = ledger
         self._every = every_updates
         self._interval = interval_seconds
         self._sync = sync
@@ -111,7 +118,7 @@ class Durability:
             StoreError: the flush failed (the write is applied in memory, not yet durable).
         """
         if self._sync:
-            self._cache.flush()
+            self.flush()
             return
         due = False
         with self._lock:
@@ -121,7 +128,7 @@ class Durability:
                 if self._count >= self._every:
                     self._count, due = 0, True
         if due:
-            self._cache.flush()
+            self.flush()
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
@@ -130,13 +137,37 @@ class Durability:
             if not dirty:
                 continue
             try:
-                self._cache.flush()
+                self.flush()
             except CacheClosedError:
                 return
             except EmbcacheError as exc:  # the rows stay dirty in memory; the next round retries
                 log.warning("periodic flush failed: %s", exc)
                 with self._lock:
                     self._dirty = True
+
+    def flush(self) -> None:
+        """Flush the cache and record, in the ledger, the writes that made durable.
+
+        Raises:
+            CacheClosedError, StoreError: the flush failed (nothing is recorded).
+        """
+        self._flush_recorded(self._cache.flush)
+
+    def _flush_recorded(self, fn: Callable[[], None]) -> None:
+        try:
+            self.ledger.flush(fn)
+        except EmbcacheError:  # the flush's own (CheckpointExistsError is an OSError too)
+            raise
+        except OSError as exc:  # the rows are durable; the record of it is not (a full disk)
+            raise StoreError(f"the flush succeeded but its record could not be written: {exc}") from exc
+
+    def checkpoint(self, directory: str) -> None:
+        """Checkpoint the cache (which flushes first) and record the flush in the ledger.
+
+        Raises:
+            CheckpointExistsError, CacheClosedError, StoreError.
+        """
+        self._flush_recorded(lambda: self._cache.checkpoint(directory))
 
     def stop(self) -> None:
         """Stop the periodic flusher (the shutdown's own flush follows)."""
@@ -223,6 +254,9 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         self._observe = observe
         self._checkpoint_root = os.path.realpath(checkpoint_root)
         self._stopping = threading.Event()
+        self._ledger = durability.ledger
+        self._incarnation = durability.ledger.incarnation
+        self._incarnation_hex = f"{self._incarnation:016x}"
         self.leases = leases if leases is not None else LeaseTable(
             cache, server_info.max_lease_seconds or 600.0)
 
@@ -244,7 +278,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             log.exception("%s failed unexpectedly", method, exc_info=exc)
             code, name = grpc.StatusCode.INTERNAL, type(exc).__name__
             message = f"internal error in {method}: {type(exc).__name__}: {exc}"
-        meta: list[tuple[str, str]] = [(ERROR_TYPE_KEY, name)]
+        meta: list[tuple[str, str]] = [(ERROR_TYPE_KEY, name), (INCARNATION_KEY, self._incarnation_hex)]
         if isinstance(exc, CacheClosedError):
             meta.append((NOT_APPLIED_KEY, "1"))
         self._observe(method, code.name, time.perf_counter() - t0)
@@ -254,7 +288,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     def _refuse_if_stopping(self, method: str, context: grpc.ServicerContext, t0: float) -> None:
         if self._stopping.is_set():
             self._observe(method, "UNAVAILABLE", time.perf_counter() - t0)
-            context.set_trailing_metadata(((NOT_APPLIED_KEY, "1"),))
+            context.set_trailing_metadata(((NOT_APPLIED_KEY, "1"), (INCARNATION_KEY, self._incarnation_hex)))
             context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; the request was not applied")
 
     def _run(self, method: str, context: grpc.ServicerContext, fn: Callable[[], R]) -> R:
@@ -284,11 +318,18 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             raise
         self._observe(method, "OK", time.perf_counter() - t0)
 
-    def _write(self, method: str, context: grpc.ServicerContext, fn: Callable[[], None]) -> None:
-        def apply() -> None:
+    def _write(self, method: str, context: grpc.ServicerContext, fn: Callable[[], None]) -> pb.WriteReceipt:
+        """Apply a write request, number it in the ledger, flush if the durability mode says so; its receipt.
+
+        The number is taken after the write was applied and before the mode's flush, so that
+        flush covers it; a request that fails is not acknowledged (its number is skipped).
+        """
+        def apply() -> pb.WriteReceipt:
             fn()
+            seq = self._ledger.acknowledge()
             self._durability.after_write()
-        self._run(method, context, apply)
+            return pb.WriteReceipt(incarnation=self._incarnation, seq=seq)
+        return self._run(method, context, apply)
 
     # ------------------------------------------------------------------ tables
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
@@ -355,15 +396,14 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             tables = wire.parse_values_request(request)
             _unique_tables(tables, "ApplyGradients")
             self._apply({tv.table: (_keys(tv), _values(tv, "gradients", InvalidGradientError)) for tv in tables})
-        self._write("ApplyGradients", context, apply)
-        return pb.ApplyGradientsResponse()
+        return pb.ApplyGradientsResponse(receipt=self._write("ApplyGradients", context, apply))
 
     def ApplyGradientsStream(self, request_iterator: Iterator[pb.ApplyGradientsRequest],
                              context: grpc.ServicerContext) -> pb.ApplyGradientsResponse:
         """ApplyGradients for batches above the message limit: chunks collected, then applied as one request."""
-        self._write("ApplyGradientsStream", context,
-                    lambda: self._apply(_collect(request_iterator, "gradients", InvalidGradientError)))
-        return pb.ApplyGradientsResponse()
+        return pb.ApplyGradientsResponse(receipt=self._write(
+            "ApplyGradientsStream", context,
+            lambda: self._apply(_collect(request_iterator, "gradients", InvalidGradientError))))
 
     def Assign(self, request: bytes, context: grpc.ServicerContext) -> pb.AssignResponse:
         """Overwrite rows and reset their optimizer state; the last duplicate wins."""
@@ -371,15 +411,13 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             tables = wire.parse_values_request(request)
             _unique_tables(tables, "Assign")
             self._assign({tv.table: (_keys(tv), _values(tv, "rows", InvalidRowsError)) for tv in tables})
-        self._write("Assign", context, assign)
-        return pb.AssignResponse()
+        return pb.AssignResponse(receipt=self._write("Assign", context, assign))
 
     def AssignStream(self, request_iterator: Iterator[pb.AssignRequest],
                      context: grpc.ServicerContext) -> pb.AssignResponse:
         """Assign for batches above the message limit: chunks collected, then assigned as one request."""
-        self._write("AssignStream", context,
-                    lambda: self._assign(_collect(request_iterator, "rows", InvalidRowsError)))
-        return pb.AssignResponse()
+        return pb.AssignResponse(receipt=self._write(
+            "AssignStream", context, lambda: self._assign(_collect(request_iterator, "rows", InvalidRowsError))))
 
     # ------------------------------------------------------------------ passes
     def _prefetch(self, keysets: dict[str, Keyset], wait: bool,
@@ -416,7 +454,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         report = self._cache.begin_pass(keysets)
         return pb.BeginPassResponse(tables=[pb.PassTableReport(table=n, keyset_rows=r["keyset_rows"],
                                                                pinned_rows=r["pinned_rows"])
-                                            for n, r in report.items()])
+                                            for n, r in report.items()], incarnation=self._incarnation)
 
     def BeginPass(self, request: pb.BeginPassRequest, context: grpc.ServicerContext) -> pb.BeginPassResponse:
         """Make a pass's keyset resident and pin it."""
@@ -434,7 +472,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """Stage one batch's rows under a lease with a time-to-live (see :mod:`embcache.server.leases`)."""
         def lease() -> pb.PrefetchBatchResponse:
             lease_id, ttl = self.leases.open(_keysets(request.keysets, "PrefetchBatch"), request.ttl_seconds)
-            return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl)
+            return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl, incarnation=self._incarnation)
         return self._run("PrefetchBatch", context, lease)
 
     def PrefetchBatchStream(self, request_iterator: Iterator[pb.PrefetchBatchRequest],
@@ -443,13 +481,13 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         def lease() -> pb.PrefetchBatchResponse:
             keysets, first = _collect_keysets(request_iterator, "PrefetchBatchStream")
             lease_id, ttl = self.leases.open(keysets, first.ttl_seconds)
-            return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl)
+            return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl, incarnation=self._incarnation)
         return self._run("PrefetchBatchStream", context, lease)
 
     def RenewLeases(self, request: pb.RenewLeasesRequest, context: grpc.ServicerContext) -> pb.RenewLeasesResponse:
         """Extend leases by their TTL and report their states (optionally waiting for staging to end)."""
         return self._run("RenewLeases", context, lambda: pb.RenewLeasesResponse(
-            leases=self.leases.renew(list(request.lease_ids), request.wait_seconds)))
+            leases=self.leases.renew(list(request.lease_ids), request.wait_seconds), incarnation=self._incarnation))
 
     def ReleaseLeases(self, request: pb.ReleaseLeasesRequest,
                       context: grpc.ServicerContext) -> pb.ReleaseLeasesResponse:
@@ -461,16 +499,20 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """Unpin the pass; with ``wait``, a second message when the write-back is done."""
         def stream() -> Iterator[pb.EndPassResponse]:
             fut = self._cache.end_pass()
-            yield pb.EndPassResponse(done=False)
+            yield pb.EndPassResponse(done=False, incarnation=self._incarnation)
             if request.wait:
-                yield pb.EndPassResponse(done=True, written_rows=int(fut.result()))
+                yield pb.EndPassResponse(done=True, written_rows=int(fut.result()), incarnation=self._incarnation)
         yield from self._run_stream("EndPass", context, stream())
 
     # ------------------------------------------------------------------ durability and inspection
+    def _durable(self, incarnations: Sequence[int]) -> list[pb.DurableThrough]:
+        return [pb.DurableThrough(incarnation=d.incarnation, durable_seq=d.seq, known=d.known)
+                for d in self._ledger.answer(incarnations)]
+
     def Flush(self, request: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
-        """Make every acknowledged update durable."""
-        self._run("Flush", context, self._cache.flush)
-        return pb.FlushResponse()
+        """Make every acknowledged update durable; say what is durable of each asked incarnation."""
+        self._run("Flush", context, self._durability.flush)
+        return pb.FlushResponse(incarnation=self._incarnation, durable=self._durable(request.incarnations))
 
     def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
         """Write a consistent snapshot under the checkpoint root."""
@@ -482,8 +524,9 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"checkpoint directory {request.directory!r} is not inside the server's checkpoint root "
                           f"{self._checkpoint_root!r}; pass a relative name")
-        self._run("Checkpoint", context, lambda: self._cache.checkpoint(directory))
-        return pb.CheckpointResponse(directory=directory)
+        self._run("Checkpoint", context, lambda: self._durability.checkpoint(directory))
+        return pb.CheckpointResponse(directory=directory, incarnation=self._incarnation,
+                                     durable=self._durable(request.incarnations))
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         """``EmbeddingCache.stats()`` as JSON."""

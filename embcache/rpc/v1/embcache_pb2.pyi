@@ -52,7 +52,7 @@ class TableConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_share: _Optional[float] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability", "max_lease_seconds")
+    __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability", "max_lease_seconds", "incarnation")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
     REJECT_NONFINITE_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class ServerInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DURABILITY_FIELD_NUMBER: _ClassVar[int]
     MAX_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_batch_keys: int
     reject_nonfinite: bool
@@ -69,7 +70,26 @@ class ServerInfo(_message.Message):
     device: str
     durability: str
     max_lease_seconds: float
-    def __init__(self, version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., reject_nonfinite: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., max_send_message_bytes: _Optional[int] = ..., device: _Optional[str] = ..., durability: _Optional[str] = ..., max_lease_seconds: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., reject_nonfinite: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., max_send_message_bytes: _Optional[int] = ..., device: _Optional[str] = ..., durability: _Optional[str] = ..., max_lease_seconds: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class WriteReceipt(_message.Message):
+    __slots__ = ("incarnation", "seq")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    seq: int
+    def __init__(self, incarnation: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class DurableThrough(_message.Message):
+    __slots__ = ("incarnation", "durable_seq", "known")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    durable_seq: int
+    known: bool
+    def __init__(self, incarnation: _Optional[int] = ..., durable_seq: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...
 
 class TableKeys(_message.Message):
     __slots__ = ("table", "keys")
@@ -150,8 +170,10 @@ class ApplyGradientsRequest(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableValues, _Mapping]]] = ...) -> None: ...
 
 class ApplyGradientsResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("receipt",)
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    receipt: WriteReceipt
+    def __init__(self, receipt: _Optional[_Union[WriteReceipt, _Mapping]] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
     __slots__ = ("tables",)
@@ -160,8 +182,10 @@ class AssignRequest(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableValues, _Mapping]]] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("receipt",)
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    receipt: WriteReceipt
+    def __init__(self, receipt: _Optional[_Union[WriteReceipt, _Mapping]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("keysets", "wait")
@@ -208,10 +232,12 @@ class PassTableReport(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keyset_rows: _Optional[int] = ..., pinned_rows: _Optional[int] = ...) -> None: ...
 
 class BeginPassResponse(_message.Message):
-    __slots__ = ("tables",)
+    __slots__ = ("tables", "incarnation")
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[PassTableReport]
-    def __init__(self, tables: _Optional[_Iterable[_Union[PassTableReport, _Mapping]]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[PassTableReport, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PrefetchBatchRequest(_message.Message):
     __slots__ = ("keysets", "ttl_seconds")
@@ -222,12 +248,14 @@ class PrefetchBatchRequest(_message.Message):
     def __init__(self, keysets: _Optional[_Iterable[_Union[TableKeyset, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefetchBatchResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_seconds")
+    __slots__ = ("lease_id", "ttl_seconds", "incarnation")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class LeaseStatus(_message.Message):
     __slots__ = ("lease_id", "state", "tables", "error_type", "error_message")
@@ -264,10 +292,12 @@ class RenewLeasesRequest(_message.Message):
     def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class RenewLeasesResponse(_message.Message):
-    __slots__ = ("leases",)
+    __slots__ = ("leases", "incarnation")
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
-    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeasesRequest(_message.Message):
     __slots__ = ("lease_ids", "cancel")
@@ -290,32 +320,46 @@ class EndPassRequest(_message.Message):
     def __init__(self, wait: _Optional[bool] = ...) -> None: ...
 
 class EndPassResponse(_message.Message):
-    __slots__ = ("done", "written_rows")
+    __slots__ = ("done", "written_rows", "incarnation")
     DONE_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     done: bool
     written_rows: int
-    def __init__(self, done: _Optional[bool] = ..., written_rows: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, done: _Optional[bool] = ..., written_rows: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("incarnations",)
+    INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
+    incarnations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, incarnations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FlushResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("incarnation", "durable")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    durable: _containers.RepeatedCompositeFieldContainer[DurableThrough]
+    def __init__(self, incarnation: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableThrough, _Mapping]]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("directory",)
+    __slots__ = ("directory", "incarnations")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
     directory: str
-    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+    incarnations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, directory: _Optional[str] = ..., incarnations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
-    __slots__ = ("directory",)
+    __slots__ = ("directory", "incarnation", "durable")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     directory: str
-    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    durable: _containers.RepeatedCompositeFieldContainer[DurableThrough]
+    def __init__(self, directory: _Optional[str] = ..., incarnation: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[DurableThrough, _Mapping]]] = ...) -> None: ...
 
 class ResidentKeysRequest(_message.Message):
     __slots__ = ("table", "tier")
