@@ -82,6 +82,8 @@ SUITE = (
     Bench("dlrm", "bench_dlrm.py", "dlrm", what="DLRM training throughput: in-memory torch vs embcache with and "
           "without prefetch"),
     Bench("server", "bench_server.py", "server", served=True, what="gRPC pull/push vs a raw gRPC echo and Redis"),
+    Bench("reshard", "bench_reshard.py", "reshard", served=True, what="rows migrated/s while resharding 2 -> 3 -> "
+          "2 shards; training steps/s during a migration vs before"),
     Bench("index", "bench_index.py", "index", device=True, what="key -> slot find, erase, insert rates: numba, "
           "torch (CPU and CUDA), dict"),
     Bench("gpu", "bench_gpu.py", "gpu", device=True, what="HBM-tier lookup and update keys/s on CUDA vs "
@@ -162,7 +164,8 @@ def result_path(b: Bench, quick: bool, results: Path = RESULTS) -> Path | None:
 
 # The code only the gRPC server and its client run: a change there cannot move the results of a
 # benchmark that starts neither (every benchmark but ``server``).
-SERVED_CODE = ("embcache/server", "embcache/rpc", "embcache/client.py")
+SERVED_CODE = ("embcache/server", "embcache/rpc", "embcache/client.py", "embcache/receipts.py", "embcache/reshard.py",
+               "embcache/ring.py")
 
 
 def code_paths(b: Bench) -> list[str]:

@@ -1588,6 +1588,111 @@ class EmbeddingCache:
         return cls(config, tables)
 
     # ------------------------------------------------------------------ stats
+    # ------------------------------------------------------------------ moving rows between caches
+    def export_rows(self, table: str, select: Callable[[np.ndarray], np.ndarray],
+                    batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Every stored row of ``table`` whose key ``select`` picks, whole: records and frequencies.
+
+        The table's dirty rows are written back first, so the store holds every row (a row that
+        was never written holds its initializer's values, which any cache recreates alike). The
+        caller keeps writes to the selected keys out until the iteration ends (the parameter
+        server refuses them while it migrates them).
+
+        Args:
+            table: table name.
+            select: ``keys (int64 [m]) -> bool [m]``: which keys to export.
+            batch_rows: store rows scanned per batch.
+
+        Yields:
+            ``(keys int64 [k], records uint8 [k, record_bytes], freq float32 [k])`` (the store's
+            record format: weights then optimizer state; freq: the aged access frequency).
+
+        Raises:
+            UnknownTableError, CacheClosedError, StoreError.
+        """
+        t = self._table(table)
+        assert self._store is not None
+        with t.lock:
+            for tier in (t.hbm, t.ddr):
+                while self._write_dirty_chunk(t, tier):
+                    pass
+        for keys, records in self._store.scan(table, batch_rows):
+            mask = np.asarray(select(keys), dtype=bool)
+            if not mask.any():
+                continue
+            picked = torch.from_numpy(keys[mask])
+            with t.lock:
+                freq = t.sketch.estimate(picked).to(torch.float32)
+                for tier in (t.hbm, t.ddr):
+                    slots = tier.find(picked).cpu()
+                    hit = slots >= 0
+                    if bool(hit.any()):
+                        freq[hit] = tier.freq.index_select(0, slots[hit].to(tier.device)).cpu().to(torch.float32)
+            yield keys[mask], records[mask], freq.numpy()
+
+    def _drop_resident(self, t: _Table, keys: torch.Tensor) -> None:
+        """Forget memory copies of ``keys`` (unique) without writing them back (lock held)."""
+        for tier in (t.hbm, t.ddr):
+            slots = tier.find(keys)
+            tier.remove(slots[slots >= 0])
+        t.store_writes += 1  # the rows a lookup kept aside (t.recent) may be of these keys
+
+    def import_rows(self, table: str, keys: Any, records: np.ndarray, freq: np.ndarray | None = None) -> None:
+        """Replace the rows of ``keys`` with ``records`` (from another cache's :meth:`export_rows`).
+
+        Memory copies of those keys are dropped (not written back) and the records written to
+        the store; their frequencies are raised to ``freq``.
+
+        Args:
+            table: table name (same dim, optimizer and dtype as the exporting table).
+            keys: int64 [n], unique.
+            records: uint8 [n, record_bytes].
+            freq: float [n] aged access frequencies (optional).
+
+        Raises:
+            UnknownTableError, InvalidKeysError (duplicates), InvalidRowsError (record shape),
+            CacheClosedError, StoreFullError, StoreError.
+        """
+        t = self._table(table)
+        k = as_key_tensor(keys, self._config.max_batch_keys).cpu()
+        if torch.unique(k).numel() != k.numel():
+            raise InvalidKeysError(f"import_rows: keys of table {table!r} must be unique")
+        records = np.ascontiguousarray(records, dtype=np.uint8)
+        if records.shape != (k.numel(), t.record_bytes):
+            raise InvalidRowsError(f"import_rows: records of table {table!r} must be uint8 [{k.numel()}, "
+                                   f"{t.record_bytes}], got {list(records.shape)}; nothing was imported")
+        if freq is not None and np.shape(freq) != (k.numel(),):
+            raise InvalidRowsError(f"import_rows: freq must have shape [{k.numel()}], got {list(np.shape(freq))}")
+        assert self._store is not None
+        with t.lock:
+            if self._closed:
+                raise CacheClosedError("the cache is closed")
+            self._store.put_many(table, k.numpy(), records)
+            self._drop_resident(t, k)
+            if t.log_watchers:
+                t.write_log.append(k.clone())
+            if freq is not None and k.numel():
+                t.sketch.raise_to(k, torch.as_tensor(np.asarray(freq, dtype=np.float32)))
+
+    def delete_rows(self, table: str, keys: Any) -> None:
+        """Delete the rows of ``keys`` from every tier and the store (e.g. after they moved to another shard).
+
+        A later lookup of such a key creates its row afresh.
+
+        Raises:
+            UnknownTableError, InvalidKeysError, CacheClosedError, StoreError.
+        """
+        t = self._table(table)
+        k = torch.unique(as_key_tensor(keys, self._config.max_batch_keys).cpu())
+        assert self._store is not None
+        with t.lock:
+            if self._closed:
+                raise CacheClosedError("the cache is closed")
+            self._store.delete_many(table, k.numpy())
+            self._drop_resident(t, k)
+            if t.log_watchers:
+                t.write_log.append(k.clone())
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Counters and occupancy per table and tier (plain dicts; see DESIGN.md).
 

@@ -1,6 +1,7 @@
 """The ``embcache`` command: tools around the cache.
 
     embcache sizing TRACE...    miss-ratio curves and tier sizes for a target hit ratio
+    embcache reshard --servers A,B --add C     add or remove parameter-server shards, moving rows
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import sizing
+from . import reshard, sizing
 
 __all__ = ["main"]
 
@@ -22,5 +23,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        description=sizing.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sizing.add_arguments(p)
     p.set_defaults(run=sizing.run)
+    p = sub.add_parser("reshard", help="add or remove parameter-server shards, moving every row whose owner changes",
+                       description=reshard.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    reshard.add_arguments(p)
+    p.set_defaults(run=reshard.run)
     args = parser.parse_args(argv)
     return int(args.run(args))

@@ -52,7 +52,6 @@ disk full) can leave the other shards' part applied.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -63,7 +62,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -80,14 +79,21 @@ from .errors import (
     NonFiniteGradientError,
     PassStateError,
     UnknownTableError,
+    WrongShardError,
 )
 from .keys import as_key_tensor
 from .keyset import Keyset, as_keysets
 from .optim import state_width
 from .prefetch import PrefetchFuture
 from .receipts import Receipts, loss_error
+from .reshard import ReshardReport
+from .reshard import reshard as _reshard
+from .ring import HashRing, ShardMap
 from .rpc import codec, wire
 from .rpc.errors import (
+    ERROR_TYPE_KEY,
+    MAP_VERSION_KEY,
+    SHARD_MAP_KEY,
     DataLossError,
     DeadlineExceededError,
     PermissionDeniedError,
@@ -119,57 +125,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("embcache.client")
-
-_U64 = np.uint64
-
-
-def mix64(keys: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer over int64 keys (vectorized): a 64-bit hash that spreads consecutive ids."""
-    z = keys.astype(np.int64, copy=False).view(np.uint64) + _U64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-    return z ^ (z >> _U64(31))
-
-
-class HashRing:
-    """Consistent hashing of int64 keys onto named shards, with virtual nodes.
-
-    Each shard owns ``vnodes`` points on a 64-bit ring (hashes of ``"name#i"``); a key belongs to
-    the first point at or after its :func:`mix64` hash. Adding a shard to N moves about 1/(N+1)
-    of the keys, all of them to the new shard.
-
-    Args:
-        names: shard names (their identity on the ring: keep them stable across restarts).
-        vnodes: points per shard (default 256: shard loads within a few percent).
-
-    Raises:
-        ValueError: no names, duplicates, or ``vnodes < 1``.
-    """
-
-    def __init__(self, names: Sequence[str], vnodes: int = 256) -> None:
-        if not names or len(set(names)) != len(names) or vnodes < 1:
-            raise ValueError(f"HashRing needs unique shard names and vnodes >= 1, got {list(names)}, {vnodes}")
-        self.names = list(names)
-        points = np.array([int.from_bytes(hashlib.blake2b(f"{name}#{i}".encode(), digest_size=8).digest(), "little")
-                           for name in names for i in range(vnodes)], dtype=np.uint64)
-        owners = np.repeat(np.arange(len(names), dtype=np.int64), vnodes)
-        order = np.argsort(points, kind="stable")
-        self._points, self._owners = points[order], owners[order]
-
-    def owners(self, keys: np.ndarray) -> np.ndarray:
-        """Shard index (int64 [n]) of each key (int64 [n])."""
-        if len(self.names) == 1:
-            return np.zeros(keys.shape[0], dtype=np.int64)
-        idx = np.searchsorted(self._points, mix64(keys), side="left")
-        idx[idx == self._points.shape[0]] = 0  # past the last point: wrap to the first
-        return self._owners[idx]
-
-    def split(self, keys: np.ndarray) -> list[np.ndarray]:
-        """Positions (int64, ascending) of the keys each shard owns, one array per shard."""
-        owners = self.owners(keys)
-        order = np.argsort(owners, kind="stable")
-        bounds = np.cumsum(np.bincount(owners, minlength=len(self.names)))[:-1]
-        return np.split(order, bounds)
+R = TypeVar("R")
+_MAX_REROUTES = 8  # a call routed again after this many map changes in a row gives up (WrongShardError)
 
 
 class _Done:
@@ -228,10 +185,11 @@ def _raw_calls(channel: grpc.Channel) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _Topology:
-    """The shards and the ring that maps keys onto them; replaced as a whole by :meth:`Client.refresh_shards`."""
+    """The shards and the ring that maps keys onto them, from one shard map; replaced as a whole when it changes."""
 
     shards: list[_Shard]
     ring: HashRing
+    map: ShardMap  # version 0: the client's own list (a fleet never resharded)
 
 
 @dataclass
@@ -245,6 +203,22 @@ class _Part:
 
 
 _KEYSET_ROW_BYTES = 16  # a keyset key on the wire: the key and its count (int64 each)
+
+
+def _absolute(part: _Part, subset: np.ndarray | None) -> _Part:
+    """``part`` of a sub-batch (the caller's positions ``subset``) with positions in the caller's batch."""
+    if subset is None:
+        return part
+    return _Part(part.table, subset if part.positions is None else subset[part.positions], part.keys, part.values)
+
+
+def _take(keys_values: tuple[np.ndarray, np.ndarray | None],
+          positions: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Keys (and values) at ``positions`` (None: all)."""
+    keys, values = keys_values
+    if positions is None:
+        return keys, values
+    return keys[positions], None if values is None else values[positions]
 
 
 def _table_keyset(part: _Part) -> pb.TableKeyset:
@@ -542,6 +516,28 @@ class _LeaseKeeper:
             lease.cancel()
 
 
+def _migrating(err: grpc.RpcError) -> bool:
+    """The server refused a write to rows a reshard is moving (not applied: resend after the migration)."""
+    return _error_name(err) == "MigratingError"
+
+
+def _error_name(err: grpc.RpcError) -> str:
+    for key, value in (err.trailing_metadata() if hasattr(err, "trailing_metadata") else None) or ():
+        if key == ERROR_TYPE_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return ""
+
+
+def _wrong_shard(outcome: Any) -> str:
+    """The server's shard map (JSON) when ``outcome`` is a WrongShardError refusal, else ""."""
+    if not isinstance(outcome, grpc.RpcError) or _error_name(outcome) != "WrongShardError":
+        return ""
+    for key, value in outcome.trailing_metadata() or ():
+        if key == SHARD_MAP_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return "{}"
+
+
 def _read_pem(value: str | bytes | None) -> bytes | None:
     if value is None or isinstance(value, bytes):
         return value
@@ -703,7 +699,9 @@ class Client:
     :meth:`shard_stats` for their capacities, :meth:`capacity_rows` for the totals); and
     ``restore``, because a checkpoint is restored where its store lives: run
     ``EmbeddingCache.restore(shard_checkpoint, CacheConfig(path=...))`` on each shard's
-    machine and start ``embcache-server --path`` there (a client cannot move a store).
+    machine and start ``embcache-server --path`` there (a client cannot move a store); and
+    ``export_rows``, ``import_rows`` and ``delete_rows``, with which a server moves rows between
+    shards while resharding: a fleet moves its rows with :meth:`reshard`.
     """
 
     def __init__(self, servers: str | Sequence[str] | Mapping[str, str], *, timeout: float = 60.0,
@@ -731,7 +729,7 @@ class Client:
         self._timeout, self._long_timeout = timeout, long_timeout
         self._retries, self._backoff, self._max_backoff = retries, backoff, max_backoff
         self._wait = wait_for_ready
-        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._auth: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
                                                 ("grpc.max_receive_message_length", max_message_bytes)]
         self._creds = None
@@ -742,8 +740,8 @@ class Client:
             if tls_server_name:
                 self._options.append(("grpc.ssl_target_name_override", tls_server_name))
         self._vnodes = vnodes
-        self._topo = _Topology([self._connect(name, address) for name, address in named.items()],
-                               HashRing(list(named), vnodes))
+        first = ShardMap(0, dict(named), vnodes)
+        self._topo = _Topology([self._connect(name, address) for name, address in named.items()], first.ring, first)
         self._retired: list[_Shard] = []  # shards a refresh removed: closed with the client
         self._lock = threading.Lock()
         self._tables: dict[str, TableConfig] = {}
@@ -757,9 +755,76 @@ class Client:
         self._pass_incarnations: dict[str, int] = {}  # shard name -> the process that holds this client's pass
         try:
             self._refresh_tables(timeout=connect_timeout)
+            if self._topo.map.version == 0:
+                self._install_map(connect_timeout)
         except BaseException:
             self.close()
             raise
+
+    def _install_map(self, timeout: float) -> None:
+        """Make this client's shard list the fleet's map (version 1) on servers that hold none.
+
+        From then on the servers refuse requests routed by any other list, so two clients that
+        resolved the fleet differently can never write one key on two shards. A server that
+        already holds a map (another client's, installed meanwhile) keeps it; this client then
+        routes by the newest map the servers hold.
+
+        Raises:
+            ConfigError: the servers hold maps that contradict each other.
+        """
+        first = ShardMap(1, dict(self._topo.map.shards), self._vnodes)
+        calls = [(s, "SetShardMap", pb.SetShardMapRequest(name=s.name, current=first.to_json()))
+                 for s in self._topo.shards]
+        outcomes = self._fanout_outcomes(calls, idempotent=True, timeout=timeout)
+        held = []
+        for (shard, _, _), o in zip(calls, outcomes, strict=True):
+            if isinstance(o, grpc.RpcError):
+                if o.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED):
+                    return  # a read-only token (it writes nothing), or a server older than shard maps
+                if _error_name(o) != "ConfigError":  # ConfigError: it holds another map (read below)
+                    raise error_from_rpc(o, shard.address) from None
+                o = self._fanout([(shard, "GetShardMap", pb.GetShardMapRequest())], idempotent=True,
+                                 timeout=timeout)[0]
+            held.append(ShardMap.from_json(o.current) if o.current else first)
+        newest = max(held, key=lambda m: m.version)
+        if newest == first:
+            self._adopt(first)
+            return
+        if self._adopt(newest):
+            self._refresh_tables(timeout=timeout)
+        if any(m.version == newest.version and m != newest for m in held):
+            raise ConfigError(f"the servers hold different shard maps of version {newest.version}: "
+                              f"{sorted({m.to_json() for m in held if m.version == newest.version})}")
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        """Every call's metadata: the token, and the shard map version the call is routed by."""
+        version = self._topo.map.version
+        return (*self._auth, (MAP_VERSION_KEY, str(version))) if version else self._auth
+
+    @property
+    def shard_map(self) -> ShardMap:
+        """The shard map this client routes by (version 0: its own shard list, before any reshard)."""
+        return self._topo.map
+
+    def _adopt(self, shard_map: str | ShardMap) -> bool:
+        """Route by ``shard_map`` (JSON or a map) from now on if it is newer than this client's; True if adopted.
+
+        Shards still present keep their channels; new ones are connected; removed ones stop getting
+        calls (their channels close with the client).
+        """
+        new = ShardMap.from_json(shard_map) if isinstance(shard_map, str) else shard_map
+        with self._lock:
+            old = self._topo
+            if new.version <= old.map.version:
+                return False
+            # a shard this client knows keeps its channel (and the address this client reaches it at)
+            kept = {s.name: s for s in [*old.shards, *self._retired]}
+            shards = [kept.pop(n) if n in kept else self._connect(n, a) for n, a in new.shards.items()]
+            self._retired = [s for s in kept.values()]
+            self._topo = _Topology(shards, new.ring, new)
+        log.info("routing by shard map version %d: %s", new.version, sorted(new.shards.values()))
+        return True
 
     def _connect(self, name: str, address: str) -> _Shard:
         channel = (grpc.secure_channel(address, self._creds, options=self._options) if self._creds is not None
@@ -779,14 +844,13 @@ class Client:
                                        grpc.StatusCode.UNAVAILABLE)
             time.sleep(0.2)
 
-    def refresh_shards(self) -> bool:
-        """Resolve the ``dns:///`` target again and use the shards it gives now.
+    def refresh_shards(self, progress: bool = False) -> bool:
+        """Resolve the ``dns:///`` target again and reshard the fleet onto the shards it gives now.
 
-        Shards still present keep their channels; new ones are connected and given every table
-        the others have; removed ones stop getting calls (their channels close with the client).
-        Keys then follow the new ring: about 1/N of the keys move per shard added or removed, and
-        their rows stay on the shard that had them (nothing is migrated). Calls already running
-        finish on the old shards.
+        When the name gives another set of shards than the fleet's map, this runs
+        :meth:`reshard` onto it: every row whose owner changes moves, with its optimizer state
+        and frequency, before the new map takes effect (see :mod:`embcache.reshard`); other
+        clients are redirected to the new map by the servers.
 
         Returns:
             True when the shards changed.
@@ -794,31 +858,37 @@ class Client:
         Raises:
             ValueError: the client was not made from a ``dns:///`` target, or the name does not resolve.
             UnavailableError: the name does not resolve to ``expected_shards`` addresses now
-                (the current shards are kept).
+                (the current shards are kept), or a shard failed during the migration (call
+                again to resume it).
         """
         self._check_open()
         if self._dns_target is None:
             raise ValueError("refresh_shards() needs a client made from a 'dns:///name:port' target")
         named = self._resolve(time.monotonic())
-        with self._lock:
-            old = self._topo
-            if {s.name: s.address for s in old.shards} == named:
-                return False
-            kept = {(s.name, s.address): s for s in old.shards}
-            shards = [kept.pop((n, a)) if (n, a) in kept else self._connect(n, a) for n, a in named.items()]
-            self._retired.extend(kept.values())
-            self._topo = _Topology(shards, HashRing(list(named), self._vnodes))
-        log.info("shards of %s changed: %s -> %s", self._dns_target, sorted(s.address for s in old.shards),
-                 sorted(named.values()))
-        # a new shard gets the tables the others have (those made by create_table are on the old shards only)
-        replies = self._fanout([(s, "ListTables", pb.ListTablesRequest()) for s in shards], idempotent=True)
-        tables = {t.name: t for r in replies for t in r.tables}
-        missing = [(s, "CreateTable", pb.CreateTableRequest(table=t)) for s, r in zip(shards, replies, strict=True)
-                   for name, t in tables.items() if name not in {have.name for have in r.tables}]
-        if missing:
-            self._fanout(missing, idempotent=True)
-        self._refresh_tables()
+        if set(self._topo.map.shards) == set(named):
+            return False
+        log.info("shards of %s changed: %s -> %s: resharding", self._dns_target,
+                 sorted(self._topo.map.shards.values()), sorted(named.values()))
+        self.reshard(named, progress=progress)
         return True
+
+    def reshard(self, servers: Sequence[str] | Mapping[str, str], progress: bool = True) -> ReshardReport:
+        """Move the fleet onto ``servers`` (add or remove shards), migrating every row whose owner changes.
+
+        Training may go on meanwhile, in this process and others: writes to the rows being
+        moved wait (they are refused and resent) until the new map is committed, everything
+        else is served; clients still on the old map are redirected. Resumable: after a crash of
+        any party, call it again with the same list. See :mod:`embcache.reshard`.
+
+        Args:
+            servers: the new shard list (``"host:port"`` list, or ``{name: "host:port"}``).
+            progress: a progress bar of the rows copied (stderr).
+
+        Raises:
+            ConfigError, UnavailableError, DeadlineExceededError, StoreError (see :func:`embcache.reshard.reshard`).
+        """
+        self._check_open()
+        return _reshard(self, servers, progress=progress)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -947,7 +1017,8 @@ class Client:
                     results[i] = fut.result()
                 except grpc.RpcError as err:
                     results[i] = err
-                    if self._resendable(err, idempotent) and attempt < self._retries:
+                    # a migration's refusal is resent until the deadline, whatever the retries
+                    if self._resendable(err, idempotent) and (attempt < self._retries or _migrating(err)):
                         retry[i] = err
                     else:
                         failed = True
@@ -1024,6 +1095,20 @@ class Client:
         threading.Thread(target=wait, name="embcache-client-wait", daemon=True).start()
         return fut
 
+    def _rerouting(self, fn: Callable[[], R]) -> R:
+        """Run a keyset call (its undo on failure is its own); again, by the new map, when a shard refused it
+        as routed by another (WrongShardError: nothing applied there)."""
+        deadline = time.monotonic() + self._timeout
+        for attempt in range(_MAX_REROUTES):
+            try:
+                return fn()
+            except WrongShardError as exc:
+                shard_map = getattr(exc, "shard_map", "")
+                adopted = bool(shard_map) and self._adopt(shard_map)
+                if not adopted and not self._sleep_backoff(attempt, deadline):  # the shard is behind: wait
+                    raise
+        return fn()
+
     # ------------------------------------------------------------------ tables
     def _refresh_tables(self, timeout: float | None = None) -> dict[str, TableConfig]:
         replies = self._fanout([(s, "ListTables", pb.ListTablesRequest()) for s in self._topo.shards], idempotent=True,
@@ -1033,6 +1118,9 @@ class Client:
             for t in reply.tables:
                 tables.setdefault(t.name, codec.table_from_proto(t))
         info = [r.server for r in replies]
+        maps = [ShardMap.from_json(i.shard_map) for i in info if i.shard_map]
+        if maps and self._adopt(max(maps, key=lambda m: m.version)):
+            return self._refresh_tables(timeout)  # the tables of the shards of the new map
         with self._lock:
             self._tables = tables
             self._max_batch_keys = min(i.max_batch_keys for i in info) or self._max_batch_keys
@@ -1148,36 +1236,108 @@ class Client:
                     raise InvalidRowsError(f"out must be float32 [{n}, {dim}] on cpu")
                 filled[t] = out
         row_bytes = {t: 4 * d + 8 for t, d in dims.items()}
-        calls: list[tuple[_Shard, str, Any]] = []
-        layouts: list[list[_Part]] = []
-        topo = self._topo
-        for shard, parts in zip(topo.shards, self._parts_by_shard(batch, topo), strict=True):
-            for chunk in self._chunks([p for p in parts if p.keys.size], row_bytes):
-                calls.append((shard, "Lookup", wire.encode_lookup_request([(p.table, p.keys) for p in chunk])))
-                layouts.append(chunk)
-        replies = self._fanout(calls, idempotent=True)
-        for reply, chunk, (shard, _, _) in zip(replies, layouts, calls, strict=True):
-            tables = wire.parse_lookup_response(reply)
-            if len(tables) != len(chunk):
-                raise RemoteError(f"server {shard.address} answered {len(tables)} tables for {len(chunk)}")
-            for part, rows_msg in zip(chunk, tables, strict=True):
-                rows = codec.decode_tensor(rows_msg.rows, f"rows of table {part.table!r} from {shard.address}",
-                                           InvalidRowsError, ("float32",), 2)
-                n, dim = batch[part.table][0].shape[0], dims[part.table]
-                if rows.shape != (part.keys.shape[0], dim):
-                    raise RemoteError(f"server {shard.address} sent rows {rows.shape} for "
-                                      f"{part.keys.shape[0]} keys of dim {dim}")
-                out = filled.get(part.table)
-                if out is None and part.positions is None:  # the whole batch in one reply: its rows, in place
-                    filled[part.table] = wire.as_tensor(reply, rows)
-                    continue
-                if out is None:
-                    out = filled[part.table] = torch.empty(n, dim, dtype=torch.float32)
-                if part.positions is None:
-                    out.numpy()[:] = rows
-                else:
-                    out.numpy()[part.positions] = rows
+
+        def send(calls: list[tuple[_Shard, str, Any]], layouts: list[list[_Part]], replies: list[Any]) -> None:
+            for reply, chunk, (shard, _, _) in zip(replies, layouts, calls, strict=True):
+                self._fill(reply, chunk, shard, batch, dims, filled)
+
+        self._routed(batch, row_bytes, "Lookup", idempotent=True,
+                     encode=lambda chunk: wire.encode_lookup_request([(p.table, p.keys) for p in chunk]),
+                     stream=None, done=send)
         return {t: filled[t] if t in filled else torch.empty(0, dims[t], dtype=torch.float32) for t in batch}
+
+    @staticmethod
+    def _fill(reply: bytes, chunk: list[_Part], shard: _Shard, batch: Mapping[str, tuple[np.ndarray, Any]],
+              dims: Mapping[str, int], filled: dict[str, torch.Tensor]) -> None:
+        """Copy one Lookup reply's rows into the output tensors (the whole batch's reply becomes the output)."""
+        tables = wire.parse_lookup_response(reply)
+        if len(tables) != len(chunk):
+            raise RemoteError(f"server {shard.address} answered {len(tables)} tables for {len(chunk)}")
+        for part, rows_msg in zip(chunk, tables, strict=True):
+            rows = codec.decode_tensor(rows_msg.rows, f"rows of table {part.table!r} from {shard.address}",
+                                       InvalidRowsError, ("float32",), 2)
+            n, dim = batch[part.table][0].shape[0], dims[part.table]
+            if rows.shape != (part.keys.shape[0], dim):
+                raise RemoteError(f"server {shard.address} sent rows {rows.shape} for "
+                                  f"{part.keys.shape[0]} keys of dim {dim}")
+            out = filled.get(part.table)
+            if out is None and part.positions is None:  # the whole batch in one reply: its rows, in place
+                filled[part.table] = wire.as_tensor(reply, rows)
+                continue
+            if out is None:
+                out = filled[part.table] = torch.empty(n, dim, dtype=torch.float32)
+            if part.positions is None:
+                out.numpy()[:] = rows
+            else:
+                out.numpy()[part.positions] = rows
+
+    def _routed(self, batch: Mapping[str, tuple[np.ndarray, np.ndarray | None]], row_bytes: Mapping[str, int],
+                method: str, idempotent: bool, encode: Callable[[list[_Part]], Any],
+                stream: Callable[[list[_Part]], Any] | None,
+                done: Callable[[list[tuple[_Shard, str, Any]], list[list[_Part]], list[Any]], None]) -> None:
+        """Send a keyed batch to the shards that own its keys, routing again what a shard refused by its map.
+
+        Each shard's part is cut into requests within the message limit: ``encode(chunk)`` makes a
+        unary request; with ``stream``, a part of several chunks goes as one client stream of
+        ``stream(chunk)`` messages (applied by the server as one request). ``done(calls, layouts,
+        replies)`` gets the calls that succeeded, with the parts each carried (positions in the
+        caller's batch). A shard that refuses a request because it serves another shard map
+        (WrongShardError, nothing applied) hands its map back: the client adopts it and sends
+        those keys again, to their owners under it (a shard behind the client's map is waited
+        for). Other failures raise, after ``done`` saw what succeeded.
+
+        Raises:
+            The embcache error of the first call that failed for good; WrongShardError after
+            ``_MAX_REROUTES`` map changes in a row.
+        """
+        todo: dict[str, np.ndarray | None] = {t: None for t in batch}  # positions still to send (None: all)
+        deadline = time.monotonic() + self._timeout
+        reroutes = waits = 0
+        while True:
+            topo = self._topo
+            sub = {t: _take(batch[t], pos) for t, pos in todo.items()}
+            calls: list[tuple[_Shard, str, Any]] = []
+            layouts: list[list[_Part]] = []
+            for shard, parts in zip(topo.shards, self._parts_by_shard(sub, topo), strict=True):
+                parts = [_absolute(p, todo[p.table]) for p in parts if p.keys.size]
+                chunks = self._chunks(parts, row_bytes)
+                if stream is not None and len(chunks) > 1:
+                    calls.append((shard, f"{method}Stream", [stream(c) for c in chunks]))
+                    layouts.append([p for c in chunks for p in c])
+                    continue
+                for chunk in chunks:
+                    calls.append((shard, method, encode(chunk)))
+                    layouts.append(chunk)
+            if not calls:
+                return
+            outcomes = self._fanout_outcomes(calls, idempotent, stop_on_failure=True)
+            ok = [i for i, o in enumerate(outcomes) if not isinstance(o, grpc.RpcError)]
+            done([calls[i] for i in ok], [layouts[i] for i in ok], [outcomes[i] for i in ok])
+            # refused by its map, or held back by a migration: nothing applied, so sent again by the newest map
+            again = [i for i, o in enumerate(outcomes) if _wrong_shard(o) or (isinstance(o, grpc.RpcError)
+                                                                               and _migrating(o))]
+            failed = [i for i, o in enumerate(outcomes) if isinstance(o, grpc.RpcError) and i not in again]
+            failure = self._failure([calls[i] for i in failed], [outcomes[i] for i in failed], idempotent)
+            if failure is not None:
+                raise failure from None
+            if not again:
+                return
+            left: dict[str, list[np.ndarray]] = {}
+            for i in again:
+                for p in layouts[i]:
+                    pos = p.positions if p.positions is not None else np.arange(batch[p.table][0].shape[0])
+                    left.setdefault(p.table, []).append(pos)
+            todo = {t: np.sort(np.concatenate(ps)) for t, ps in left.items()}
+            maps = [ShardMap.from_json(m) for i in again if (m := _wrong_shard(outcomes[i])) not in ("", "{}")]
+            if maps and self._adopt(max(maps, key=lambda m: m.version)):
+                reroutes += 1
+                if reroutes <= _MAX_REROUTES:
+                    continue
+            elif self._sleep_backoff(min(waits, 6), deadline):  # a shard behind this map, or a migration: wait
+                waits += 1
+                continue
+            i = again[0]
+            raise error_from_rpc(outcomes[i], calls[i][0].address)
 
     # ------------------------------------------------------------------ writes
     def apply_gradients(self, table: str, keys: Any, grads: Any) -> None:
@@ -1234,29 +1394,20 @@ class Client:
         return batch
 
     def _write(self, method: str, batch: Mapping[str, tuple[np.ndarray, Any]], request_type: Any) -> None:
-        dims = {t: v.shape[1] for t, (_, v) in batch.items()}
-        row_bytes = {t: 4 * d + 8 for t, d in dims.items()}
-        calls: list[tuple[_Shard, str, Any]] = []
-        topo = self._topo
-        for shard, parts in zip(topo.shards, self._parts_by_shard(batch, topo), strict=True):
-            chunks = self._chunks([p for p in parts if p.keys.size], row_bytes)
-            if len(chunks) == 1:
-                calls.append((shard, method, wire.encode_values_request(
-                    [(p.table, p.keys, p.values) for p in chunks[0]])))  # type: ignore[misc]
-            elif chunks:  # above the message limit: one client stream, applied by the server as one request
-                calls.append((shard, f"{method}Stream", [request_type(tables=[
-                    pb.TableValues(table=p.table, keys=codec.encode_tensor(p.keys),
-                                   values=codec.encode_tensor(p.values))  # type: ignore[arg-type]
-                    for p in chunk]) for chunk in chunks]))
-        if not calls:
-            return
-        outcomes = self._fanout_outcomes(calls, idempotent=False, stop_on_failure=True)
-        for (shard, _, _), reply in zip(calls, outcomes, strict=True):
-            if not isinstance(reply, grpc.RpcError):  # applied there: keep its receipt, whatever the others did
+        row_bytes = {t: 4 * v.shape[1] + 8 for t, (_, v) in batch.items()}
+
+        def receipts(calls: list[tuple[_Shard, str, Any]], layouts: list[list[_Part]], replies: list[Any]) -> None:
+            for (shard, _, _), reply in zip(calls, replies, strict=True):  # applied there: keep the receipt
                 self._receipts.add(shard.name, reply.receipt.incarnation, reply.receipt.seq)
-        failure = self._failure(calls, outcomes, idempotent=False)
-        if failure is not None:
-            raise failure from None
+
+        self._routed(batch, row_bytes, method, idempotent=False,
+                     encode=lambda chunk: wire.encode_values_request(
+                         [(p.table, p.keys, p.values) for p in chunk]),  # type: ignore[misc]
+                     stream=lambda chunk: request_type(tables=[
+                         pb.TableValues(table=p.table, keys=codec.encode_tensor(p.keys),
+                                        values=codec.encode_tensor(p.values))  # type: ignore[arg-type]
+                         for p in chunk]),
+                     done=receipts)
 
     # ------------------------------------------------------------------ passes
     def _keyset_calls(self, keysets: Mapping[str, Any], method: str, make: Callable[[list[pb.TableKeyset]], Any],
@@ -1307,9 +1458,11 @@ class Client:
         Raises:
             UnknownTableError, InvalidKeysError, UnavailableError, DeadlineExceededError.
         """
-        calls = self._keyset_calls(keysets, "Prefetch", lambda p: pb.PrefetchRequest(keysets=p, wait=True))
-        streams = self._open_streams(calls, self._long_timeout)
-        return self._finish_streams(streams, calls, _combine_prefetch)
+        def start() -> RemoteFuture:
+            calls = self._keyset_calls(keysets, "Prefetch", lambda p: pb.PrefetchRequest(keysets=p, wait=True))
+            streams = self._open_streams(calls, self._long_timeout)
+            return self._finish_streams(streams, calls, _combine_prefetch)
+        return self._rerouting(start)
 
     def begin_pass(self, keysets: Mapping[str, Keyset | Any]) -> dict[str, dict[str, int]]:
         """Make a pass's keyset resident and pinned on every shard (each gets the keys it owns).
@@ -1325,6 +1478,9 @@ class Client:
         Raises:
             PassStateError, UnknownTableError, InvalidKeysError, StoreError, UnavailableError.
         """
+        return self._rerouting(lambda: self._begin_pass(keysets))
+
+    def _begin_pass(self, keysets: Mapping[str, Keyset | Any]) -> dict[str, dict[str, int]]:
         calls = self._keyset_calls(keysets, "BeginPass", lambda p: pb.BeginPassRequest(keysets=p))
         outcomes = self._fanout_outcomes(calls, idempotent=False, timeout=self._long_timeout)
         failure = self._failure(calls, outcomes, idempotent=False)
@@ -1407,6 +1563,9 @@ class Client:
             UnknownTableError, InvalidKeysError, UnavailableError, DeadlineExceededError (the
             shards that had granted the lease are told to cancel it).
         """
+        return self._rerouting(lambda: self._prefetch_batch(keysets))
+
+    def _prefetch_batch(self, keysets: Mapping[str, Keyset | Any]) -> RemoteLease:
         ks = as_keysets(keysets)
         calls = self._keyset_calls(ks, "PrefetchBatch", lambda p: pb.PrefetchBatchRequest(
             keysets=p, ttl_seconds=self._lease_ttl), every_shard=False)

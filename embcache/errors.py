@@ -17,6 +17,7 @@ __all__ = [
     "InvalidGradientError",
     "InvalidKeysError",
     "InvalidRowsError",
+    "MigratingError",
     "NonFiniteGradientError",
     "PassStateError",
     "StoreError",
@@ -24,6 +25,7 @@ __all__ = [
     "StoreLockedError",
     "TableConflictError",
     "UnknownTableError",
+    "WrongShardError",
 ]
 
 
@@ -88,3 +90,18 @@ class StoreLockedError(StoreError):
 
 class StoreFullError(StoreError):
     """The store could not write because its disk (or LMDB map) is full."""
+
+
+class WrongShardError(EmbcacheError, RuntimeError):
+    """A parameter server was asked for keys by a client using another version of the fleet's shard map.
+
+    Nothing was applied. The server's map travels with the refusal; ``embcache.Client`` adopts it
+    and routes the keys again, so a user sees this only from a misconfigured client or fleet.
+    """
+
+
+class MigratingError(EmbcacheError, RuntimeError):
+    """A write touched rows that a reshard is moving to another shard; nothing was applied.
+
+    ``embcache.Client`` resends it until the migration commits (or the call's deadline).
+    """

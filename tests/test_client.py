@@ -469,8 +469,9 @@ def test_the_read_only_methods_of_the_embedded_cache(client: Client, tmp_path: P
             call()
     # what the client leaves out, and its docstring says why
     missing = {n for n in dir(EmbeddingCache) if not n.startswith("_")} - set(dir(Client))
-    assert missing == {"config", "restore"}
-    assert "``config``" in (Client.__doc__ or "") and "``restore``" in (Client.__doc__ or "")
+    assert missing == {"config", "restore", "export_rows", "import_rows", "delete_rows"}
+    for name in missing:
+        assert f"``{name}``" in (Client.__doc__ or "")
 
 
 def test_create_table_is_idempotent_and_refuses_conflicts(client: Client) -> None:
@@ -595,10 +596,16 @@ _UNARY_METHODS = {"ListTables", "CreateTable", "Lookup", "ApplyGradients", "Assi
 _STREAM_METHODS = {"Prefetch", "EndPass"}  # one request, a stream of replies
 
 
+def _forwarded(context: grpc.ServicerContext) -> tuple[tuple[str, str], ...]:
+    """The call's metadata, as a proxy passes it on (the shard map version, a token)."""
+    return tuple((k, v) for k, v in context.invocation_metadata() or () if k.startswith(("embcache-", "authorization")))
+
+
 class _Proxy(grpc.GenericRpcHandler):
     """A gRPC proxy in the test process in front of one real server.
 
-    Forwards the unary calls and the server-streaming pass calls byte for byte and counts them per
+    Forwards the unary calls and the server-streaming pass calls byte for byte, with their embcache
+    metadata, and counts them per
     method. ``plan[method]`` lists what to do to that method's next calls instead of forwarding them
     plainly: ``"refuse"`` (UNAVAILABLE,
     not forwarded), ``"refuse_not_applied"`` (the same, marked not applied as a draining server
@@ -642,7 +649,7 @@ class _Proxy(grpc.GenericRpcHandler):
             def handle_stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
                 self._action(name, context)
                 try:
-                    yield from forward_stream(request, timeout=120)
+                    yield from forward_stream(request, timeout=120, metadata=_forwarded(context))
                 except grpc.RpcError as err:
                     context.set_trailing_metadata(err.trailing_metadata() or ())
                     context.abort(err.code(), err.details() or "")
@@ -661,7 +668,7 @@ class _Proxy(grpc.GenericRpcHandler):
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"proxy: {name} was not in flight together with the other shards' calls")
             try:
-                reply = forward(request, timeout=120)
+                reply = forward(request, timeout=120, metadata=_forwarded(context))
             except grpc.RpcError as err:
                 context.set_trailing_metadata(err.trailing_metadata() or ())
                 context.abort(err.code(), err.details() or "")
@@ -953,7 +960,21 @@ class _Dns:
         return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", p)) for p in ports]
 
 
-def test_shards_from_an_injected_resolver_and_refresh(three_shards: list[LocalServer]) -> None:
+@pytest.fixture
+def fresh_three(tmp_path: Path) -> Iterator[list[LocalServer]]:
+    """Three servers of this test's own (a reshard changes the fleet's map for good)."""
+    servers = [LocalServer(tmp_path / f"store{i}", args=SERVER_ARGS, workdir=tmp_path / f"run{i}",
+                           start_timeout=START_TIMEOUT) for i in range(3)]
+    _start_all(servers)
+    yield servers
+    for s in servers:
+        s.terminate()
+    for s in servers:
+        s.stop()
+
+
+def test_shards_from_an_injected_resolver_and_refresh(fresh_three: list[LocalServer]) -> None:
+    three_shards = fresh_three
     ports = [s.port for s in three_shards]
     target = f"dns:///{_NAME}:50051"
     dns = _Dns(ports)
@@ -967,34 +988,34 @@ def test_shards_from_an_injected_resolver_and_refresh(three_shards: list[LocalSe
     dns.now(ports[:2])  # one shard not in DNS yet (e.g. its pod not ready)
     with Client(target, resolver=dns, timeout=60) as c:
         assert c.servers == {s.address: s.address for s in three_shards[:2]}
+        assert c.shard_map.version == 1  # its list became the fleet's map on the two shards
         c.create_table(cfg)  # on the two shards it knows
         c.assign(cfg.name, keys, torch.from_numpy(np.repeat(keys[:, None], 4, axis=1).astype(np.float32)))
         assert c.refresh_shards() is False  # nothing changed
         dns.now(ports)
-        assert c.refresh_shards() is True
+        assert c.refresh_shards() is True  # a reshard onto the three: rows move with their keys
         assert c.servers == {s.address: s.address for s in three_shards}
         new = list(c.servers).index(three_shards[2].address)
         assert cfg.name in c.shard_stats()[new], "the new shard was given the table"
-        # keys move to the new shard only (consistent hashing), and their rows stay where they were
-        moved = c.shard_of(keys) == new
+        moved = c.shard_of(keys) == new  # consistent hashing: keys move to the new shard only
         assert 0.2 < moved.mean() < 0.45
         rows = c.lookup(cfg.name, keys)[:, 0].numpy()
-        assert np.array_equal(rows[~moved], keys[~moved].astype(np.float32))
-        assert not np.array_equal(rows[moved], keys[moved].astype(np.float32))
+        assert np.array_equal(rows, keys.astype(np.float32)), "a moved row lost its value"
         assert c.shard_stats()[new][cfg.name]["lookups"] == int(moved.sum())
-        dns.now(ports[:2])  # and gone again: its keys come back to the shards that kept their rows
+        dns.now(ports[:2])  # and gone again: its rows move back to the two
         assert c.refresh_shards() is True and len(c.servers) == 2
         assert np.array_equal(c.lookup(cfg.name, keys)[:, 0].numpy(), keys.astype(np.float32))
 
     # expected_shards: the constructor resolves again until the name gives that many addresses...
     late = _Dns(ports[:1], ports[:1], ports)
     with Client(target, resolver=late, expected_shards=3, timeout=60) as c:
-        assert late.asked == 3 and len(c.servers) == 3
+        # ... then routes by the map the servers hold (the two shards the last reshard left)
+        assert late.asked == 3 and len(c.servers) == 2 and c.shard_map.version == 3
         # ... and a refresh that finds fewer keeps the shards it has
-        late.now(ports[:2])
+        late.now(ports[:1])
         with pytest.raises(UnavailableError, match="expected 3"):
             c.refresh_shards()
-        assert len(c.servers) == 3 and c.lookup(cfg.name, keys[:10]).shape == (10, 4)
+        assert len(c.servers) == 2 and c.lookup(cfg.name, keys[:10]).shape == (10, 4)
     t0 = time.monotonic()
     with pytest.raises(UnavailableError, match="resolves to 1 addresses"):
         Client(target, resolver=_Dns(ports[:1]), expected_shards=3, connect_timeout=1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from embcache import Keyset, TableConfig
-from embcache.client import HashRing, _merge_stats, mix64
+from embcache.client import HashRing, _merge_stats
 from embcache.errors import (
     BatchTooLargeError,
     CacheClosedError,
@@ -26,6 +26,7 @@ from embcache.errors import (
     TableConflictError,
     UnknownTableError,
 )
+from embcache.ring import mix64
 from embcache.rpc import codec, wire
 from embcache.rpc.errors import (
     ERROR_TYPE_KEY,

@@ -24,6 +24,7 @@ from ..errors import (
     InvalidGradientError,
     InvalidKeysError,
     InvalidRowsError,
+    MigratingError,
     NonFiniteGradientError,
     PassStateError,
     StoreError,
@@ -31,13 +32,16 @@ from ..errors import (
     StoreLockedError,
     TableConflictError,
     UnknownTableError,
+    WrongShardError,
 )
 
 __all__ = [
     "ERROR_STATUS",
     "ERROR_TYPE_KEY",
     "INCARNATION_KEY",
+    "MAP_VERSION_KEY",
     "NOT_APPLIED_KEY",
+    "SHARD_MAP_KEY",
     "DataLossError",
     "DeadlineExceededError",
     "PermissionDeniedError",
@@ -55,6 +59,10 @@ __all__ = [
 ERROR_TYPE_KEY = "embcache-error-type"
 #: Trailing metadata key set ("1") when the request was refused before it had any effect.
 NOT_APPLIED_KEY = "embcache-not-applied"
+#: Metadata key: the shard map version a client routed a request by (request), and the server's
+#: map as JSON in a WrongShardError refusal (trailing).
+MAP_VERSION_KEY = "embcache-map-version"
+SHARD_MAP_KEY = "embcache-shard-map"
 #: Trailing metadata key of a failed call: the answering server process's incarnation (hex).
 INCARNATION_KEY = "embcache-incarnation"
 
@@ -147,6 +155,8 @@ ERROR_STATUS: dict[type[BaseException], grpc.StatusCode] = {
     CheckpointExistsError: grpc.StatusCode.ALREADY_EXISTS,
     PassStateError: grpc.StatusCode.FAILED_PRECONDITION,
     CacheClosedError: grpc.StatusCode.UNAVAILABLE,
+    MigratingError: grpc.StatusCode.UNAVAILABLE,
+    WrongShardError: grpc.StatusCode.FAILED_PRECONDITION,
     StoreLockedError: grpc.StatusCode.FAILED_PRECONDITION,
     StoreError: grpc.StatusCode.INTERNAL,
     EmbcacheError: grpc.StatusCode.INTERNAL,
@@ -202,6 +212,7 @@ def error_from_rpc(err: grpc.RpcError, address: str = "") -> EmbcacheError:
     exc = cls(details)
     exc.address = address  # type: ignore[attr-defined]  # which shard refused, for the curious
     exc.incarnation = _incarnation(meta)  # type: ignore[attr-defined]  # which of its processes
+    exc.shard_map = meta.get(SHARD_MAP_KEY, "")  # type: ignore[attr-defined]  # a WrongShardError's map
     return exc
 
 

@@ -34,6 +34,14 @@ Durability (what an acknowledged write survives):
   clients' Flush and Checkpoint calls for its predecessors, so embcache.Client.flush() raises
   DataLossError, naming the shard, when a crash lost writes it had acknowledged.
 
+Shard map: a fleet's clients install their shard list on the servers as version 1 of the fleet's
+map (PATH/shard-map.json); from then on a server refuses a keyed request routed by another map
+version, or carrying a key it does not own (WrongShardError, FAILED_PRECONDITION, not applied,
+with its map in the trailing metadata, which clients adopt). `embcache reshard` (or
+Client.reshard) adds or removes shards: it moves every row whose owner changes, then commits the
+next map version on every server; while a migration is pending, writes to the rows that leave a
+server are refused with MigratingError (UNAVAILABLE, not applied; clients resend them).
+
 Shutdown (SIGTERM or SIGINT): the health service turns NOT_SERVING and new calls are refused with
 UNAVAILABLE, marked not applied (embcache.Client resends them, writes included), for
 --drain-seconds; then the server stops listening, calls already running finish (up to
@@ -108,6 +116,7 @@ from ..rpc.v1 import embcache_pb2 as pb
 from .leases import MIN_TTL_SECONDS, LeaseTable
 from .ledger import WriteLedger
 from .servicer import READ_METHODS, SERVICE_NAME, WRITE_METHODS, Durability, EmbeddingCacheServicer, add_to_server
+from .sharding import ShardGate
 
 __all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
 
@@ -516,9 +525,11 @@ def start_server(s: ServerSettings) -> RunningServer:
                              max_send_message_bytes=s.max_message_bytes, device=str(cache.device),
                              durability=durability.describe(), max_lease_seconds=float(s.max_lease_seconds),
                              incarnation=durability.ledger.incarnation)
+        gate = ShardGate(config.path, cache)
+        gate.register_metrics(registry)
         servicer = EmbeddingCacheServicer(cache, durability, info, observe,
                                           s.checkpoint_root or os.path.join(config.path, "checkpoints"),
-                                          LeaseTable(cache, float(s.max_lease_seconds)))
+                                          LeaseTable(cache, float(s.max_lease_seconds)), gate)
         workers = s.workers or max(8, 4 * (os.cpu_count() or 1))
         options = [("grpc.max_send_message_length", s.max_message_bytes),
                    ("grpc.max_receive_message_length", s.max_message_bytes),

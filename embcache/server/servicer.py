@@ -34,15 +34,27 @@ from ..errors import (
     InvalidGradientError,
     InvalidKeysError,
     InvalidRowsError,
+    MigratingError,
     StoreError,
+    WrongShardError,
 )
 from ..keyset import Keyset
+from ..optim import state_width
 from ..rpc import codec, wire
-from ..rpc.errors import ERROR_TYPE_KEY, INCARNATION_KEY, NOT_APPLIED_KEY, status_of
+from ..rpc.errors import (
+    ERROR_TYPE_KEY,
+    INCARNATION_KEY,
+    MAP_VERSION_KEY,
+    NOT_APPLIED_KEY,
+    SHARD_MAP_KEY,
+    status_of,
+)
 from ..rpc.v1 import embcache_pb2 as pb
 from ..rpc.v1 import embcache_pb2_grpc as pb_grpc
+from ..sizing import store_record_bytes
 from .leases import LeaseTable
 from .ledger import WriteLedger
+from .sharding import ShardGate
 
 __all__ = ["READ_METHODS", "SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer",
            "add_to_server"]
@@ -60,7 +72,8 @@ _RAW_RESPONSES = frozenset({"Lookup"})
 WRITE_METHODS = frozenset({"CreateTable", "ApplyGradients", "ApplyGradientsStream", "Assign", "AssignStream",
                            "Prefetch", "PrefetchStream", "BeginPass", "BeginPassStream", "EndPass",
                            "PrefetchBatch", "PrefetchBatchStream", "RenewLeases", "ReleaseLeases",
-                           "Flush", "Checkpoint"})
+                           "Flush", "Checkpoint", "GetShardMap", "SetShardMap", "ExportRows", "ImportRows",
+                           "CommitShardMap"})
 #: Methods a read-only token may call.
 READ_METHODS = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods
                          ) - WRITE_METHODS
@@ -247,8 +260,9 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
 
     def __init__(self, cache: EmbeddingCache, durability: Durability, server_info: pb.ServerInfo,
                  observe: Callable[[str, str, float], None], checkpoint_root: str,
-                 leases: LeaseTable | None = None) -> None:
+                 leases: LeaseTable | None = None, gate: ShardGate | None = None) -> None:
         self._cache = cache
+        self._gate = gate if gate is not None else ShardGate(cache.config.path, cache)
         self._durability = durability
         self._info = server_info
         self._observe = observe
@@ -279,8 +293,10 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             code, name = grpc.StatusCode.INTERNAL, type(exc).__name__
             message = f"internal error in {method}: {type(exc).__name__}: {exc}"
         meta: list[tuple[str, str]] = [(ERROR_TYPE_KEY, name), (INCARNATION_KEY, self._incarnation_hex)]
-        if isinstance(exc, CacheClosedError):
+        if isinstance(exc, (CacheClosedError, WrongShardError, MigratingError)):
             meta.append((NOT_APPLIED_KEY, "1"))
+        if getattr(exc, "shard_map", ""):
+            meta.append((SHARD_MAP_KEY, exc.shard_map))  # type: ignore[attr-defined]
         self._observe(method, code.name, time.perf_counter() - t0)
         context.set_trailing_metadata(tuple(meta))
         context.abort(code, message)
@@ -331,6 +347,17 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             return pb.WriteReceipt(incarnation=self._incarnation, seq=seq)
         return self._run(method, context, apply)
 
+    @staticmethod
+    def _map_version(context: grpc.ServicerContext) -> int:
+        """The shard map version the client routed this request by (0: none)."""
+        for key, value in context.invocation_metadata() or ():
+            if key == MAP_VERSION_KEY:
+                try:
+                    return int(value)
+                except ValueError:
+                    raise WrongShardError(f"metadata {MAP_VERSION_KEY}={value!r} is not a version number") from None
+        return 0
+
     # ------------------------------------------------------------------ tables
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
         """Add a table (idempotent for an equal definition)."""
@@ -341,8 +368,11 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """The tables, by name, and the server's limits."""
         def list_tables() -> pb.ListTablesResponse:
             tables = self._cache.tables()
+            info = pb.ServerInfo()
+            info.CopyFrom(self._info)
+            info.shard_map = self._gate.state()[0]
             return pb.ListTablesResponse(tables=[codec.table_to_proto(tables[n]) for n in sorted(tables)],
-                                         server=self._info)
+                                         server=info)
         return self._run("ListTables", context, list_tables)
 
     # ------------------------------------------------------------------ rows
@@ -356,6 +386,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             tables = wire.parse_lookup_request(request)
             _unique_tables(tables, "Lookup")
             keys = {tk.table: _keys(tk) for tk in tables}
+            self._gate.check_read(self._map_version(context), {n: k.numpy() for n, k in keys.items()})
             known = self._cache.tables()
             if any(name not in known for name in keys):  # the library raises UnknownTableError, having read nothing
                 rows = self._cache.lookup_many(keys)  # (or the table was created meanwhile)
@@ -370,14 +401,22 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             return reply
         return self._run("Lookup", context, lookup)
 
-    def _apply(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _apply(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], context: grpc.ServicerContext) -> None:
+        with self._gate.writing(self._map_version(context), {n: k.numpy() for n, (k, _) in updates.items()}):
+            self._apply_checked(updates)
+
+    def _apply_checked(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(updates) == 1:
             (name, (k, g)), = updates.items()
             self._cache.apply_gradients(name, k, g)
         elif updates:
             self._cache.apply_gradients_many(updates)
 
-    def _assign(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _assign(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], context: grpc.ServicerContext) -> None:
+        with self._gate.writing(self._map_version(context), {n: k.numpy() for n, (k, _) in updates.items()}):
+            self._assign_checked(updates)
+
+    def _assign_checked(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(updates) > 1:  # the library has no assign_many: check every table before changing any
             tables = self._cache.tables()
             for name, (k, r) in updates.items():
@@ -395,7 +434,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         def apply() -> None:
             tables = wire.parse_values_request(request)
             _unique_tables(tables, "ApplyGradients")
-            self._apply({tv.table: (_keys(tv), _values(tv, "gradients", InvalidGradientError)) for tv in tables})
+            self._apply({tv.table: (_keys(tv), _values(tv, "gradients", InvalidGradientError)) for tv in tables},
+                        context)
         return pb.ApplyGradientsResponse(receipt=self._write("ApplyGradients", context, apply))
 
     def ApplyGradientsStream(self, request_iterator: Iterator[pb.ApplyGradientsRequest],
@@ -403,26 +443,32 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """ApplyGradients for batches above the message limit: chunks collected, then applied as one request."""
         return pb.ApplyGradientsResponse(receipt=self._write(
             "ApplyGradientsStream", context,
-            lambda: self._apply(_collect(request_iterator, "gradients", InvalidGradientError))))
+            lambda: self._apply(_collect(request_iterator, "gradients", InvalidGradientError), context)))
 
     def Assign(self, request: bytes, context: grpc.ServicerContext) -> pb.AssignResponse:
         """Overwrite rows and reset their optimizer state; the last duplicate wins."""
         def assign() -> None:
             tables = wire.parse_values_request(request)
             _unique_tables(tables, "Assign")
-            self._assign({tv.table: (_keys(tv), _values(tv, "rows", InvalidRowsError)) for tv in tables})
+            self._assign({tv.table: (_keys(tv), _values(tv, "rows", InvalidRowsError)) for tv in tables}, context)
         return pb.AssignResponse(receipt=self._write("Assign", context, assign))
 
     def AssignStream(self, request_iterator: Iterator[pb.AssignRequest],
                      context: grpc.ServicerContext) -> pb.AssignResponse:
         """Assign for batches above the message limit: chunks collected, then assigned as one request."""
         return pb.AssignResponse(receipt=self._write(
-            "AssignStream", context, lambda: self._assign(_collect(request_iterator, "rows", InvalidRowsError))))
+            "AssignStream", context,
+            lambda: self._assign(_collect(request_iterator, "rows", InvalidRowsError), context)))
 
     # ------------------------------------------------------------------ passes
+    def _routed(self, keysets: dict[str, Keyset], context: grpc.ServicerContext) -> dict[str, Keyset]:
+        """``keysets``, once their routing is checked against the shard map (WrongShardError)."""
+        self._gate.check_read(self._map_version(context), {n: ks.keys.numpy() for n, ks in keysets.items()})
+        return keysets
+
     def _prefetch(self, keysets: dict[str, Keyset], wait: bool,
                   context: grpc.ServicerContext) -> Iterator[pb.PrefetchResponse]:
-        fut = self._cache.prefetch(keysets)
+        fut = self._cache.prefetch(self._routed(keysets, context))
         yield pb.PrefetchResponse(done=False)
         if not wait:
             return
@@ -450,28 +496,30 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             yield from self._prefetch(keysets, first.wait, context)
         yield from self._run_stream("PrefetchStream", context, stream())
 
-    def _begin_pass(self, keysets: dict[str, Keyset]) -> pb.BeginPassResponse:
-        report = self._cache.begin_pass(keysets)
+    def _begin_pass(self, keysets: dict[str, Keyset], context: grpc.ServicerContext) -> pb.BeginPassResponse:
+        report = self._cache.begin_pass(self._routed(keysets, context))
         return pb.BeginPassResponse(tables=[pb.PassTableReport(table=n, keyset_rows=r["keyset_rows"],
                                                                pinned_rows=r["pinned_rows"])
                                             for n, r in report.items()], incarnation=self._incarnation)
 
     def BeginPass(self, request: pb.BeginPassRequest, context: grpc.ServicerContext) -> pb.BeginPassResponse:
         """Make a pass's keyset resident and pin it."""
-        return self._run("BeginPass", context, lambda: self._begin_pass(_keysets(request.keysets, "BeginPass")))
+        return self._run("BeginPass", context,
+                         lambda: self._begin_pass(_keysets(request.keysets, "BeginPass"), context))
 
     def BeginPassStream(self, request_iterator: Iterator[pb.BeginPassRequest],
                         context: grpc.ServicerContext) -> pb.BeginPassResponse:
         """BeginPass for keysets above the message limit: the chunks are merged, then begun as one pass."""
         return self._run("BeginPassStream", context,
-                         lambda: self._begin_pass(_collect_keysets(request_iterator, "BeginPassStream")[0]))
+                         lambda: self._begin_pass(_collect_keysets(request_iterator, "BeginPassStream")[0], context))
 
     # ------------------------------------------------------------------ batch leases
     def PrefetchBatch(self, request: pb.PrefetchBatchRequest,
                       context: grpc.ServicerContext) -> pb.PrefetchBatchResponse:
         """Stage one batch's rows under a lease with a time-to-live (see :mod:`embcache.server.leases`)."""
         def lease() -> pb.PrefetchBatchResponse:
-            lease_id, ttl = self.leases.open(_keysets(request.keysets, "PrefetchBatch"), request.ttl_seconds)
+            lease_id, ttl = self.leases.open(self._routed(_keysets(request.keysets, "PrefetchBatch"), context),
+                                             request.ttl_seconds)
             return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl, incarnation=self._incarnation)
         return self._run("PrefetchBatch", context, lease)
 
@@ -480,7 +528,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """PrefetchBatch for keysets above the message limit: the chunks are merged into one lease."""
         def lease() -> pb.PrefetchBatchResponse:
             keysets, first = _collect_keysets(request_iterator, "PrefetchBatchStream")
-            lease_id, ttl = self.leases.open(keysets, first.ttl_seconds)
+            lease_id, ttl = self.leases.open(self._routed(keysets, context), first.ttl_seconds)
             return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl, incarnation=self._incarnation)
         return self._run("PrefetchBatchStream", context, lease)
 
@@ -541,6 +589,59 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             for start in range(0, max(keys.size, 1), per):
                 yield pb.ResidentKeysResponse(keys=codec.encode_tensor(keys[start:start + per]))
         yield from self._run_stream("ResidentKeys", context, stream())
+
+    # ------------------------------------------------------------------ resharding
+    def _map_state(self) -> pb.ShardMapState:
+        current, pending, name = self._gate.state()
+        return pb.ShardMapState(current=current, pending=pending, name=name)
+
+    def GetShardMap(self, request: pb.GetShardMapRequest, context: grpc.ServicerContext) -> pb.ShardMapState:
+        """The shard map in force, the pending one and this server's name."""
+        return self._run("GetShardMap", context, self._map_state)
+
+    def SetShardMap(self, request: pb.SetShardMapRequest, context: grpc.ServicerContext) -> pb.ShardMapState:
+        """Install the fleet's map and begin a migration to the pending one (idempotent)."""
+        def set_map() -> pb.ShardMapState:
+            self._gate.set_map(request.name, request.current, request.pending)
+            return self._map_state()
+        return self._run("SetShardMap", context, set_map)
+
+    def ExportRows(self, request: pb.ExportRowsRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.ExportRowsResponse]:
+        """The rows of a table that leave this shard under the pending map, whole, grouped by new owner."""
+        def stream() -> Iterator[pb.ExportRowsResponse]:
+            for to, keys, records, freq in self._gate.export(request.table, request.pending_version,
+                                                             int(request.batch_rows)):
+                yield pb.ExportRowsResponse(to=to, keys=codec.encode_tensor(keys), records=records.tobytes(),
+                                            freq=codec.encode_tensor(freq))
+        yield from self._run_stream("ExportRows", context, stream())
+
+    def ImportRows(self, request: pb.ImportRowsRequest, context: grpc.ServicerContext) -> pb.ImportRowsResponse:
+        """Take rows that move to this shard under the pending map."""
+        def take() -> pb.ImportRowsResponse:
+            keys = _keys(request).numpy()
+            freq = codec.decode_tensor(request.freq, "freq", InvalidRowsError, codec.FLOAT_DTYPES, 1,
+                                       request.HasField("freq"))
+            cfg = self._cache.tables().get(request.table)
+            if cfg is None:
+                self._cache.row_bytes(request.table)  # UnknownTableError
+                raise AssertionError("unreachable")
+            width = store_record_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim))
+            if len(request.records) != keys.shape[0] * width:
+                raise InvalidRowsError(f"ImportRows: {len(request.records)} record bytes for {keys.shape[0]} rows of "
+                                       f"{width} bytes; nothing was imported")
+            records = np.frombuffer(request.records, dtype=np.uint8).reshape(keys.shape[0], width)
+            return pb.ImportRowsResponse(rows=self._gate.import_rows(request.table, request.pending_version, keys,
+                                                                     records, freq))
+        return self._run("ImportRows", context, take)
+
+    def CommitShardMap(self, request: pb.CommitShardMapRequest,
+                       context: grpc.ServicerContext) -> pb.CommitShardMapResponse:
+        """Adopt the pending map and delete the rows that left this shard (idempotent)."""
+        def commit() -> pb.CommitShardMapResponse:
+            deleted = self._gate.commit(request.version)
+            return pb.CommitShardMapResponse(state=self._map_state(), deleted_rows=deleted)
+        return self._run("CommitShardMap", context, commit)
 
 
 def _identity(data: bytes) -> bytes:

@@ -52,7 +52,7 @@ class TableConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_share: _Optional[float] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability", "max_lease_seconds", "incarnation")
+    __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability", "max_lease_seconds", "incarnation", "shard_map")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
     REJECT_NONFINITE_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class ServerInfo(_message.Message):
     DURABILITY_FIELD_NUMBER: _ClassVar[int]
     MAX_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_batch_keys: int
     reject_nonfinite: bool
@@ -71,7 +72,8 @@ class ServerInfo(_message.Message):
     durability: str
     max_lease_seconds: float
     incarnation: int
-    def __init__(self, version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., reject_nonfinite: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., max_send_message_bytes: _Optional[int] = ..., device: _Optional[str] = ..., durability: _Optional[str] = ..., max_lease_seconds: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    shard_map: str
+    def __init__(self, version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., reject_nonfinite: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., max_send_message_bytes: _Optional[int] = ..., device: _Optional[str] = ..., durability: _Optional[str] = ..., max_lease_seconds: _Optional[float] = ..., incarnation: _Optional[int] = ..., shard_map: _Optional[str] = ...) -> None: ...
 
 class WriteReceipt(_message.Message):
     __slots__ = ("incarnation", "seq")
@@ -374,6 +376,86 @@ class ResidentKeysResponse(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     keys: Tensor
     def __init__(self, keys: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ShardMapState(_message.Message):
+    __slots__ = ("current", "pending", "name")
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    current: str
+    pending: str
+    name: str
+    def __init__(self, current: _Optional[str] = ..., pending: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class GetShardMapRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetShardMapRequest(_message.Message):
+    __slots__ = ("name", "current", "pending")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    current: str
+    pending: str
+    def __init__(self, name: _Optional[str] = ..., current: _Optional[str] = ..., pending: _Optional[str] = ...) -> None: ...
+
+class ExportRowsRequest(_message.Message):
+    __slots__ = ("table", "pending_version", "batch_rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    pending_version: int
+    batch_rows: int
+    def __init__(self, table: _Optional[str] = ..., pending_version: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+
+class ExportRowsResponse(_message.Message):
+    __slots__ = ("to", "keys", "records", "freq")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    FREQ_FIELD_NUMBER: _ClassVar[int]
+    to: str
+    keys: Tensor
+    records: bytes
+    freq: Tensor
+    def __init__(self, to: _Optional[str] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., records: _Optional[bytes] = ..., freq: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ImportRowsRequest(_message.Message):
+    __slots__ = ("table", "pending_version", "keys", "records", "freq")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    FREQ_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    pending_version: int
+    keys: Tensor
+    records: bytes
+    freq: Tensor
+    def __init__(self, table: _Optional[str] = ..., pending_version: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., records: _Optional[bytes] = ..., freq: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ImportRowsResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class CommitShardMapRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class CommitShardMapResponse(_message.Message):
+    __slots__ = ("state", "deleted_rows")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DELETED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    state: ShardMapState
+    deleted_rows: int
+    def __init__(self, state: _Optional[_Union[ShardMapState, _Mapping]] = ..., deleted_rows: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -135,6 +135,31 @@ class EmbeddingCacheServiceStub:
                 request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysRequest.SerializeToString,
                 response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysResponse.FromString,
                 _registered_method=True)
+        self.GetShardMap = channel.unary_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/GetShardMap',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.GetShardMapRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ShardMapState.FromString,
+                _registered_method=True)
+        self.SetShardMap = channel.unary_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/SetShardMap',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.SetShardMapRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ShardMapState.FromString,
+                _registered_method=True)
+        self.ExportRows = channel.unary_stream(
+                '/embcache.rpc.v1.EmbeddingCacheService/ExportRows',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportRowsRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportRowsResponse.FromString,
+                _registered_method=True)
+        self.ImportRows = channel.unary_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/ImportRows',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ImportRowsRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ImportRowsResponse.FromString,
+                _registered_method=True)
+        self.CommitShardMap = channel.unary_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/CommitShardMap',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingCacheServiceServicer:
@@ -268,6 +293,37 @@ class EmbeddingCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetShardMap(self, request, context):
+        """Resharding (administration: read-write tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetShardMap(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitShardMap(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -370,6 +426,31 @@ def add_EmbeddingCacheServiceServicer_to_server(servicer, server):
                     servicer.ResidentKeys,
                     request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysRequest.FromString,
                     response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysResponse.SerializeToString,
+            ),
+            'GetShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardMap,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.GetShardMapRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ShardMapState.SerializeToString,
+            ),
+            'SetShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetShardMap,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.SetShardMapRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ShardMapState.SerializeToString,
+            ),
+            'ExportRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportRows,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportRowsRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportRowsResponse.SerializeToString,
+            ),
+            'ImportRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportRows,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ImportRowsRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ImportRowsResponse.SerializeToString,
+            ),
+            'CommitShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitShardMap,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -912,6 +993,141 @@ class EmbeddingCacheService:
             '/embcache.rpc.v1.EmbeddingCacheService/ResidentKeys',
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysRequest.SerializeToString,
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.ResidentKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/GetShardMap',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.GetShardMapRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ShardMapState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/SetShardMap',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.SetShardMapRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ShardMapState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/ExportRows',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportRowsRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/ImportRows',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ImportRowsRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ImportRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/CommitShardMap',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,273 @@
+"""Add or remove parameter-server shards while training runs, moving every row whose owner changes.
+
+    embcache reshard --servers 10.0.0.1:50051,10.0.0.2:50051 --add 10.0.0.3:50051
+    embcache reshard --servers 10.0.0.1:50051,10.0.0.2:50051,10.0.0.3:50051 --remove 10.0.0.3:50051
+
+or from Python, ``Client.reshard(new_servers)`` (and ``Client.refresh_shards()`` for a
+``dns:///`` fleet). The coordinator (this module) drives the servers through one migration to
+the next version of the fleet's shard map (:mod:`embcache.ring`, :mod:`embcache.server.sharding`):
+
+1. **Begin.** Every server of the old and the new list gets the map in force (on a fleet never
+   resharded, the old list becomes version 1) and the new map as *pending*. From then on a
+   source shard refuses writes to the rows that will leave it (clients resend them: a bounded
+   pause for those keys only) and keeps serving everything else.
+2. **Copy.** Each source exports the rows it will lose, whole (weights, optimizer state,
+   frequency), straight from its store after writing back its dirty rows; the coordinator imports
+   each batch on the row's new owner, which replaces any stale copy. Then every new owner flushes.
+3. **Commit.** Every server adopts the new map and deletes the rows that left it. A client still
+   routing by the old map is refused with the new one (``WrongShardError``, nothing applied),
+   adopts it and sends the keys to their new owners: no key is ever served by two shards.
+
+A crash of any party (a source, a target, the coordinator) leaves the pending map persisted on
+the servers; running the same reshard again resumes: until the first commit the copy is redone
+(the moving rows are frozen on their sources, so the copy is idempotent), after it the remaining
+commits are sent. A reshard to another list is refused while one is pending.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from .errors import ConfigError
+from .ring import ShardMap
+from .rpc.errors import error_from_rpc
+from .rpc.v1 import embcache_pb2 as pb
+
+if TYPE_CHECKING:
+    from .client import Client, _Shard
+
+__all__ = ["ReshardReport", "add_arguments", "reshard", "run"]
+
+
+@dataclass
+class ReshardReport:
+    """What a reshard did.
+
+    Attributes:
+        version: the shard map version in force after it.
+        shards: the shards of that map (name -> address).
+        moved_rows: rows copied to their new owners, per table.
+        deleted_rows: rows deleted from the shards they left.
+        seconds: wall time of the copy (begin to last import).
+        total_seconds: wall time of the whole reshard.
+        resumed: an interrupted reshard was finished.
+    """
+
+    version: int
+    shards: dict[str, str]
+    moved_rows: dict[str, int] = field(default_factory=dict)
+    deleted_rows: int = 0
+    seconds: float = 0.0
+    total_seconds: float = 0.0
+    resumed: bool = False
+
+    @property
+    def rows_per_second(self) -> float:
+        """Rows migrated per second of copy."""
+        total = sum(self.moved_rows.values())
+        return total / self.seconds if self.seconds > 0 else 0.0
+
+
+def _named(servers: Mapping[str, str] | Sequence[str]) -> dict[str, str]:
+    named = dict(servers) if isinstance(servers, Mapping) else {a: a for a in servers}
+    if not named:
+        raise ConfigError("a reshard needs at least one shard in the new list")
+    return named
+
+
+def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress: bool = True,
+            batch_rows: int = 65536) -> ReshardReport:
+    """Move the fleet ``client`` talks to onto ``servers``, migrating every row whose owner changes.
+
+    Args:
+        client: a client of the fleet (its credentials are used; it routes by the new map after).
+        servers: the new shard list: ``["host:port", ...]`` or ``{name: "host:port"}``; shards
+            that stay must keep their names.
+        progress: show a progress bar of the rows copied (stderr).
+        batch_rows: store rows a source scans per exported message.
+
+    Returns:
+        A :class:`ReshardReport`.
+
+    Raises:
+        ConfigError: another reshard is pending (run it again with its list to finish it), or a
+            server is in another state than the fleet (its map file lost, say).
+        UnavailableError, DeadlineExceededError, StoreError: a shard failed; run the same reshard
+            again once it is back (the migration resumes).
+    """
+    t_start = time.monotonic()
+    named = _named(servers)
+    topo = client._topo
+    shards: dict[str, _Shard] = {s.name: s for s in topo.shards}
+    for name, address in named.items():  # a shard that stays is reached where this client reaches it
+        if name not in shards:
+            shards[name] = client._connect(name, address)
+            client._retired.append(shards[name])  # closed with the client (or adopted by the new map)
+    deadline = time.monotonic() + client._long_timeout
+
+    def call(shard: _Shard, method: str, request: Any) -> Any:
+        try:
+            return getattr(shard.stub, method)(request, timeout=max(deadline - time.monotonic(), 0.001),
+                                               metadata=client._auth, wait_for_ready=client._wait)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, shard.address) from None
+
+    states = {name: call(s, "GetShardMap", pb.GetShardMapRequest()) for name, s in shards.items()}
+    currents = [ShardMap.from_json(st.current) for st in states.values() if st.current]
+    pendings = [ShardMap.from_json(st.pending) for st in states.values() if st.pending]
+    resumed = bool(pendings)
+    if pendings:
+        target = pendings[0]
+        if any(p != target for p in pendings) or set(target.shards) != set(named):
+            raise ConfigError(f"a reshard to {sorted(target.shards.values())} (shard map version {target.version}) "
+                              f"is pending: run it again with that list to finish it first")
+        olds = [c for c in currents if c.version == target.version - 1]
+        if not olds:
+            raise ConfigError(f"no server holds the map version {target.version - 1} that the pending reshard "
+                              f"started from")
+        current = olds[0]
+    else:
+        current = max(currents, key=lambda m: m.version) if currents else ShardMap(
+            max(topo.map.version, 1), dict(topo.map.shards), topo.map.vnodes)
+        if set(current.shards) == set(named):
+            client._adopt(current)
+            return ReshardReport(current.version, named, total_seconds=time.monotonic() - t_start)
+        target = ShardMap(current.version + 1, named, current.vnodes)
+        missing = [n for n in current.shards if n not in shards]
+        if missing:
+            raise ConfigError(f"the fleet's shard map version {current.version} has shards {missing} this client "
+                              "does not know; make the client from that map's list")
+    committed = any(c.version == target.version for c in currents)
+    everyone = {n: shards[n] for n in dict.fromkeys([*current.shards, *target.shards])}
+    # 1. begin: every server holds the map in force and the pending one
+    for name, shard in everyone.items():
+        call(shard, "SetShardMap", pb.SetShardMapRequest(name=name, current=current.to_json(),
+                                                        pending=target.to_json()))
+    report = ReshardReport(target.version, named, resumed=resumed)
+    t_copy = time.monotonic()
+    if not committed:
+        # the new shards get every table first
+        tables: dict[str, pb.TableConfig] = {}
+        for name in current.shards:
+            for t in call(everyone[name], "ListTables", pb.ListTablesRequest()).tables:
+                tables.setdefault(t.name, t)
+        for name in target.shards:
+            have = {t.name for t in call(everyone[name], "ListTables", pb.ListTablesRequest()).tables}
+            for t_name, t in tables.items():
+                if t_name not in have:
+                    call(everyone[name], "CreateTable", pb.CreateTableRequest(table=t))
+        # 2. copy
+        bar = _progress(progress, target.version)
+        try:
+            for source in current.shards:
+                for table in sorted(tables):
+                    moved = _copy(client, everyone, source, table, target.version, batch_rows, deadline, bar)
+                    report.moved_rows[table] = report.moved_rows.get(table, 0) + moved
+        finally:
+            if bar is not None:
+                bar.close()
+        for name in target.shards:
+            call(everyone[name], "Flush", pb.FlushRequest())
+    report.seconds = time.monotonic() - t_copy
+    # 3. commit (new owners first: a client that learns the new map from one finds its new shards serving)
+    order = [*target.shards, *(n for n in current.shards if n not in target.shards)]
+    for name in order:
+        reply = call(everyone[name], "CommitShardMap", pb.CommitShardMapRequest(version=target.version))
+        report.deleted_rows += int(reply.deleted_rows)
+    client._adopt(target)
+    client._refresh_tables()
+    report.total_seconds = time.monotonic() - t_start
+    return report
+
+
+def _progress(show: bool, version: int) -> Any:
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc=f"reshard to map v{version}", unit=" rows", unit_scale=True, leave=False)
+
+
+def _copy(client: Client, shards: Mapping[str, _Shard], source: str, table: str, version: int, batch_rows: int,
+          deadline: float, bar: Any) -> int:
+    """Stream one source's leaving rows of ``table`` to their new owners; rows copied."""
+    src = shards[source]
+    stream = src.stub.ExportRows(pb.ExportRowsRequest(table=table, pending_version=version, batch_rows=batch_rows),
+                                 timeout=max(deadline - time.monotonic(), 0.001), metadata=client._auth,
+                                 wait_for_ready=client._wait)
+    moved = 0
+    try:
+        for msg in stream:
+            n = int(np.prod(list(msg.keys.shape))) if msg.keys.shape else 0
+            dst = shards[msg.to]
+            try:
+                dst.stub.ImportRows(pb.ImportRowsRequest(table=table, pending_version=version, keys=msg.keys,
+                                                         records=msg.records, freq=msg.freq),
+                                    timeout=max(deadline - time.monotonic(), 0.001), metadata=client._auth,
+                                    wait_for_ready=client._wait)
+            except grpc.RpcError as err:
+                raise error_from_rpc(err, dst.address) from None
+            moved += n
+            if bar is not None:
+                bar.update(n)
+    except grpc.RpcError as err:
+        raise error_from_rpc(err, src.address) from None
+    return moved
+
+
+# ---------------------------------------------------------------------- the command
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``embcache reshard`` flags."""
+    p.add_argument("--servers", required=True,
+                   help="the fleet's shards now: comma-separated host:port (or name=host:port)")
+    p.add_argument("--add", action="append", default=[], metavar="HOST:PORT", help="a shard to add (repeatable)")
+    p.add_argument("--remove", action="append", default=[], metavar="HOST:PORT",
+                   help="a shard to remove (repeatable; its rows move to the others)")
+    p.add_argument("--token", help="bearer token (read-write)")
+    p.add_argument("--tls-ca", help="CA (PEM file) of the servers' certificates")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _parse_list(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, address = item.partition("=")
+        out[name if sep else item] = address if sep else item
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``embcache reshard``; prints the report. Returns 0, or 1 when the reshard failed."""
+    from .client import Client
+    from .errors import EmbcacheError
+
+    now = _parse_list(args.servers)
+    new = dict(now)
+    for spec in args.add:
+        new.update(_parse_list(spec))
+    for spec in args.remove:
+        for name, address in _parse_list(spec).items():
+            gone = [n for n, a in new.items() if n == name or a == address]
+            if not gone:
+                print(f"embcache reshard: {spec} is not one of the shards {sorted(new.values())}")
+                return 1
+            for n in gone:
+                del new[n]
+    try:
+        with Client(now, token=args.token, tls_ca=args.tls_ca) as client:
+            report = reshard(client, new, progress=not args.no_progress)
+    except EmbcacheError as exc:
+        print(f"embcache reshard: {type(exc).__name__}: {exc}\nRun the same command again to resume.")
+        return 1
+    moved = sum(report.moved_rows.values())
+    print(f"shard map version {report.version}: {sorted(report.shards.values())}; moved {moved:,} rows "
+          f"({report.rows_per_second:,.0f} rows/s), deleted {report.deleted_rows:,} from the shards they left, "
+          f"{report.total_seconds:.1f} s{' (resumed)' if report.resumed else ''}")
+    return 0

@@ -1,0 +1,225 @@
+"""Resharding a parameter-server fleet while it trains: rows move, nothing is lost, no key has two homes.
+
+Real ``embcache-server`` processes on 127.0.0.1. A training loop applies deterministic SGD
+gradients (dyadic numbers, so every update is exact) through a client while the fleet goes from
+2 to 3 shards and back; replaying the same updates on an embedded cache must give the same rows,
+bit for bit: a row re-initialized or reverted by a move would differ. A client made before the
+reshard, still routing by the old shard list, is redirected. A source shard killed in the middle
+of a migration is restarted and the migration resumed.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from embcache import CacheConfig, EmbeddingCache, TableConfig
+from embcache import reshard as reshard_module
+from embcache.client import Client
+from embcache.errors import ConfigError
+from embcache.ring import ShardMap
+from embcache.rpc.errors import ERROR_TYPE_KEY, MAP_VERSION_KEY
+from embcache.rpc.v1 import embcache_pb2 as pb
+from embcache.server.local import LocalServer
+
+START_TIMEOUT = 300
+CFG = TableConfig(name="t", dim=8, optimizer="sgd", lr=0.5, seed=7)
+SPEC = "name=t,dim=8,optimizer=sgd,lr=0.5,seed=7"
+ARGS = ["--hbm-bytes", "20000", "--ddr-bytes", "40000"]  # small tiers: rows move between tiers and the store
+N_KEYS = 3000
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[list[LocalServer]]:
+    servers = [LocalServer(tmp_path / f"s{i}", tables=[SPEC], args=[*ARGS, "--store", "rocksdb" if i % 2 else "lmdb"],
+                           metrics=True, workdir=tmp_path / f"run{i}", start_timeout=START_TIMEOUT) for i in range(3)]
+    for s in servers:
+        s.launch()
+    for s in servers:
+        s.wait_ready()
+    yield servers
+    for s in servers:
+        s.terminate()
+    for s in servers:
+        s.stop()
+
+
+def _grads(step: int, keys: np.ndarray) -> torch.Tensor:
+    """Dyadic gradients (multiples of 1/64 below 1): SGD with lr 0.5 updates exactly."""
+    k = keys.astype(np.int64)[:, None]
+    j = np.arange(CFG.dim)[None, :]
+    return torch.from_numpy(((k * 7 + j * 3 + step) % 17 - 8).astype(np.float32) / 64)
+
+
+class _Trainer:
+    """Applies deterministic gradients through a client on a thread, logging each acknowledged step."""
+
+    def __init__(self, client: Client, seed: int) -> None:
+        self.client, self.rng = client, np.random.default_rng(seed)
+        self.log: list[tuple[np.ndarray, torch.Tensor]] = []
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        step = 0
+        try:
+            while not self.stop.is_set():
+                keys = self.rng.integers(0, N_KEYS, 256)
+                self.client.lookup("t", keys)
+                grads = _grads(step, keys)
+                self.client.apply_gradients("t", keys, grads)
+                self.log.append((keys, grads))
+                step += 1
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+    def __enter__(self) -> _Trainer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(120)
+
+    def steps(self) -> int:
+        return len(self.log)
+
+
+def _reference(tmp_path: Path, log: list[tuple[np.ndarray, torch.Tensor]]) -> torch.Tensor:
+    """The rows of every key after replaying ``log`` on an embedded cache."""
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "ref"), hbm_bytes=1 << 24, ddr_bytes=1 << 24), [CFG]) as ref:
+        for keys, grads in log:
+            ref.apply_gradients("t", keys, grads)
+        return ref.lookup("t", np.arange(N_KEYS)).clone()
+
+
+def _wait_steps(trainer: _Trainer, more: int, timeout: float = 120) -> None:
+    target = trainer.steps() + more
+    deadline = time.monotonic() + timeout
+    while trainer.steps() < target and trainer.error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert trainer.error is None, trainer.error
+    assert trainer.steps() >= target, "training stalled"
+
+
+def test_reshard_2_3_2_while_training_keeps_every_update(fleet: list[LocalServer], tmp_path: Path) -> None:
+    a, b, c = (s.address for s in fleet)
+    with Client([a, b], timeout=120, connect_timeout=START_TIMEOUT) as trainer_client, \
+            Client([a, b], timeout=120) as operator, Client([a, b], timeout=120) as stale:
+        assert stale.lookup("t", np.arange(10)).shape == (10, 8)  # routes by its own list (map version 0)
+        with _Trainer(trainer_client, seed=1) as trainer:
+            _wait_steps(trainer, 20)
+            up = operator.reshard([a, b, c], progress=False)
+            assert up.version == 2 and sum(up.moved_rows.values()) > 0 and up.deleted_rows == sum(
+                up.moved_rows.values())
+            _wait_steps(trainer, 20)
+            assert trainer_client.shard_map.version == 2  # redirected by the servers while training
+            down = operator.reshard([a, b], progress=False)
+            assert down.version == 3 and sum(down.moved_rows.values()) > 0
+            _wait_steps(trainer, 20)
+        assert trainer.error is None, trainer.error
+        expected = _reference(tmp_path, trainer.log)
+        got = operator.lookup("t", np.arange(N_KEYS))
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)  # nothing lost, re-initialized or reverted
+        # a client made before any reshard is redirected on its first call, and reads the same rows
+        torch.testing.assert_close(stale.lookup("t", np.arange(N_KEYS)), expected, rtol=0, atol=0)
+        assert stale.shard_map.version == 3
+        # the third server left the fleet: it refuses every key, and holds no row any more
+        with grpc.insecure_channel(c) as channel:
+            lookup = channel.unary_unary("/embcache.rpc.v1.EmbeddingCacheService/Lookup",
+                                         request_serializer=pb.LookupRequest.SerializeToString,
+                                         response_deserializer=pb.LookupResponse.FromString)
+            req = pb.LookupRequest(tables=[pb.TableKeys(table="t", keys=_tensor(np.arange(5)))])
+            for version in ("1", "2", "3"):
+                with pytest.raises(grpc.RpcError) as info:
+                    lookup(req, metadata=((MAP_VERSION_KEY, version),), timeout=30)
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert dict(info.value.trailing_metadata())[ERROR_TYPE_KEY] == "WrongShardError"
+        assert operator.shard_stats() and len(operator.servers) == 2
+        # no reshard to a third list while one is pending is tested below; a no-op reshard changes nothing
+        assert operator.reshard([a, b], progress=False).moved_rows == {}
+
+
+def _tensor(keys: np.ndarray) -> pb.Tensor:
+    from embcache.rpc import codec
+
+    return codec.encode_tensor(keys.astype(np.int64))
+
+
+def _exported(server: LocalServer) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r'^embcache_migration_rows_total\{direction="exported"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_migration_survives_a_killed_source_and_resumes(fleet: list[LocalServer], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, c = (s.address for s in fleet)
+    with Client([a, b], timeout=120, connect_timeout=START_TIMEOUT) as client:
+        log: list[tuple[np.ndarray, torch.Tensor]] = []
+        keys = np.arange(N_KEYS)
+        for step in range(3):
+            grads = _grads(step, keys)
+            client.apply_gradients("t", keys, grads)
+            log.append((keys, grads))
+        client.flush()
+        failure: list[BaseException] = []
+
+        def migrate() -> None:
+            try:
+                client.reshard([a, b, c], progress=False)
+            except BaseException as exc:
+                failure.append(exc)
+        # small export batches, slowly: the copy takes many messages, and the source is killed between them
+        original = reshard_module._copy
+
+        def slow_copy(client: Client, shards: Any, source: str, table: str, version: int, batch_rows: int,
+                      deadline: float, bar: Any) -> int:
+            time.sleep(0.5)
+            return original(client, shards, source, table, version, 100, deadline, bar)
+        monkeypatch.setattr(reshard_module, "_copy", slow_copy)
+        worker = threading.Thread(target=migrate)
+        worker.start()
+        deadline = time.monotonic() + 120
+        while _exported(fleet[0]) == 0 and worker.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fleet[0].kill()  # the source, mid-migration
+        worker.join(300)
+        monkeypatch.setattr(reshard_module, "_copy", original)
+        assert failure, "the reshard should fail when its source dies"
+        fleet[0].start()
+        # the pending migration survived the crash: a write to a moving key waits for it, then lands
+        old_map, new_map = ShardMap(1, {a: a, b: b}), ShardMap(2, {a: a, b: b, c: c})
+        moving = keys[old_map.owned_by(keys, a) & new_map.owned_by(keys, c)][:5]
+        assert moving.size == 5
+        landed = threading.Event()
+
+        def write_moving() -> None:
+            with Client([a, b], timeout=120) as other:
+                other.apply_gradients("t", moving, _grads(99, moving))
+            landed.set()
+        writer = threading.Thread(target=write_moving)
+        writer.start()
+        time.sleep(1.0)
+        # another reshard target is refused while this one is pending
+        with pytest.raises(ConfigError, match="pending"):
+            client.reshard([a, c], progress=False)
+        report = client.reshard([a, b, c], progress=False)
+        assert report.resumed and report.version == 2
+        writer.join(120)
+        assert landed.is_set()
+        log.append((moving, _grads(99, moving)))
+        expected = _reference(tmp_path, log)
+        torch.testing.assert_close(client.lookup("t", keys), expected, rtol=0, atol=0)
