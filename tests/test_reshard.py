@@ -223,3 +223,29 @@ def test_a_migration_survives_a_killed_source_and_resumes(fleet: list[LocalServe
         log.append((moving, _grads(99, moving)))
         expected = _reference(tmp_path, log)
         torch.testing.assert_close(client.lookup("t", keys), expected, rtol=0, atol=0)
+
+
+def test_the_reshard_command_adds_and_removes_a_shard(fleet: list[LocalServer]) -> None:
+    import subprocess
+    import sys
+
+    a, b, c = (s.address for s in fleet)
+    with Client([a, b], timeout=120, connect_timeout=START_TIMEOUT) as client:
+        keys = np.arange(N_KEYS)
+        client.assign("t", keys, torch.from_numpy(np.repeat(keys[:, None], 8, axis=1).astype(np.float32)))
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "embcache", "reshard", "--no-progress", *args],
+                                  capture_output=True, text=True, timeout=300)
+        up = cli("--servers", f"{a},{b}", "--add", c)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "shard map version 2" in up.stdout and "moved" in up.stdout
+        rows = client.lookup("t", keys)  # redirected to the 3-shard map
+        assert client.shard_map.version == 2 and len(client.servers) == 3
+        assert torch.equal(rows[:, 0], torch.from_numpy(keys.astype(np.float32)))
+        bad = cli("--servers", f"{a},{b},{c}", "--remove", "127.0.0.1:1")
+        assert bad.returncode == 1 and "is not one of the shards" in bad.stdout
+        down = cli("--servers", f"{a},{b},{c}", "--remove", c)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert torch.equal(client.lookup("t", keys)[:, 0], torch.from_numpy(keys.astype(np.float32)))
+        assert len(client.servers) == 2
