@@ -12,7 +12,8 @@ thread runs steps of ``lookup`` + ``apply_gradients`` on 4,096 Zipf-distributed 
 shards (``Client.reshard`` from a second client, as an operator would) and, after a period at 3,
 back to 2. Reported, in one run:
 
-* rows migrated per second (rows copied over the copy phase's wall time, with training running);
+* rows migrated per second (rows copied over the first copy's wall time, with training running),
+  the rows written during it (copied again once frozen) and how long writes to moving rows waited;
 * training steps per second during each migration (from its begin to its commit) against the
   steps per second of the period before it, and the longest gap between two steps (the pause a
   training step saw: its writes to moving rows wait for the commit);
@@ -126,17 +127,19 @@ def main(argv: list[str] | None = None) -> int:
                     t1 = time.monotonic()
                     moved = sum(report.moved_rows.values())
                     phases.append({"reshard": label, "moved_rows": moved, "copy_seconds": report.seconds,
+                                   "delta_rows": report.delta_rows, "pause_seconds": report.pause_seconds,
                                    "total_seconds": report.total_seconds, "rows_per_s": report.rows_per_second,
-                                   "deleted_rows": report.deleted_rows, "t0": t0, "t1": t1,
-                                   "steps_per_s_before": _rate(trainer.ends, before0, t0),
-                                   "steps_per_s_during": _rate(trainer.ends, t0, t1),
-                                   "longest_step_gap_s": _longest_gap(trainer.ends, t0, t1)})
+                                   "deleted_rows": report.deleted_rows, "t0": t0, "t1": t1, "before0": before0})
                     time.sleep(period)
                 trainer.stop.set()
                 trainer.join(600)
                 if trainer.error is not None:
                     raise trainer.error
                 ends = list(trainer.ends)
+                for ph in phases:  # from the whole record: the steps after each window are known now
+                    ph["steps_per_s_before"] = _rate(ends, ph["before0"], ph["t0"])
+                    ph["steps_per_s_during"] = _rate(ends, ph["t0"], ph["t1"])
+                    ph["longest_step_gap_s"] = _longest_gap(ends, ph["t0"], ph["t1"])
         finally:
             for s in servers:
                 s.terminate()
@@ -150,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                         "reference": f"the {period:g} s before it ({ph['steps_per_s_before']:.1f} steps/s)",
                         "ratio": ratio, "target": None, "met": None})
         table_rows.append([ph["reshard"], f"{ph['moved_rows']:,}", f"{ph['copy_seconds']:.2f}",
-                           f"{ph['rows_per_s']:,.0f}", f"{ph['total_seconds']:.2f}",
+                           f"{ph['rows_per_s']:,.0f}", f"{ph['delta_rows']:,}", f"{ph['pause_seconds']:.2f}",
+                           f"{ph['total_seconds']:.2f}",
                            f"{ph['steps_per_s_before']:.1f}", f"{ph['steps_per_s_during']:.1f}", f"{ratio:.2f}",
                            f"{ph['longest_step_gap_s']:.2f}"])
-    headers = ["reshard", "rows moved", "copy s", "rows/s", "total s", "steps/s before", "steps/s during",
-               "during / before", "longest step gap s"]
+    headers = ["reshard", "rows moved", "copy s", "rows/s", "rows written during the copy, copied again",
+               "writes to moving rows paused s", "total s", "steps/s before", "steps/s during", "during / before",
+               "longest step gap s"]
     table = markdown_table(headers, table_rows)
     t_base = ends[0] if ends else 0.0
     doc = {"benchmark": "resharding: rows migrated per second, training throughput during a migration",

@@ -1590,7 +1590,8 @@ class EmbeddingCache:
     # ------------------------------------------------------------------ stats
     # ------------------------------------------------------------------ moving rows between caches
     def export_rows(self, table: str, select: Callable[[np.ndarray], np.ndarray],
-                    batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                    batch_rows: int = 65536, keys: np.ndarray | None = None
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Every stored row of ``table`` whose key ``select`` picks, whole: records and frequencies.
 
         The table's dirty rows are written back first, so the store holds every row (a row that
@@ -1601,7 +1602,8 @@ class EmbeddingCache:
         Args:
             table: table name.
             select: ``keys (int64 [m]) -> bool [m]``: which keys to export.
-            batch_rows: store rows scanned per batch.
+            batch_rows: store rows scanned (or, with ``keys``, read) per batch.
+            keys: read only these keys (int64, unique) instead of scanning the whole store.
 
         Yields:
             ``(keys int64 [k], records uint8 [k, record_bytes], freq float32 [k])`` (the store's
@@ -1616,11 +1618,12 @@ class EmbeddingCache:
             for tier in (t.hbm, t.ddr):
                 while self._write_dirty_chunk(t, tier):
                     pass
-        for keys, records in self._store.scan(table, batch_rows):
-            mask = np.asarray(select(keys), dtype=bool)
+        batches = self._store.scan(table, batch_rows) if keys is None else self._read_keys(table, keys, batch_rows)
+        for found, records in batches:
+            mask = np.asarray(select(found), dtype=bool)
             if not mask.any():
                 continue
-            picked = torch.from_numpy(keys[mask])
+            picked = torch.from_numpy(found[mask])
             with t.lock:
                 freq = t.sketch.estimate(picked).to(torch.float32)
                 for tier in (t.hbm, t.ddr):
@@ -1628,7 +1631,19 @@ class EmbeddingCache:
                     hit = slots >= 0
                     if bool(hit.any()):
                         freq[hit] = tier.freq.index_select(0, slots[hit].to(tier.device)).cpu().to(torch.float32)
-            yield keys[mask], records[mask], freq.numpy()
+            yield found[mask], records[mask], freq.numpy()
+
+    def _read_keys(self, table: str, keys: np.ndarray,
+                   batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The stored records of ``keys`` (those the store holds), in batches: a scan of just them."""
+        assert self._store is not None
+        keys = np.asarray(keys, dtype=np.int64)
+        for start in range(0, keys.shape[0], batch_rows):
+            part = keys[start:start + batch_rows]
+            found, records = self._store.get_many(table, part)
+            found = np.asarray(found, dtype=bool)
+            if found.any():
+                yield part[found], np.asarray(records)[found]
 
     def _drop_resident(self, t: _Table, keys: torch.Tensor) -> None:
         """Forget memory copies of ``keys`` (unique) without writing them back (lock held)."""

@@ -8,20 +8,23 @@ or from Python, ``Client.reshard(new_servers)`` (and ``Client.refresh_shards()``
 the next version of the fleet's shard map (:mod:`embcache.ring`, :mod:`embcache.server.sharding`):
 
 1. **Begin.** Every server of the old and the new list gets the map in force (on a fleet never
-   resharded, the old list becomes version 1) and the new map as *pending*. From then on a
-   source shard refuses writes to the rows that will leave it (clients resend them: a bounded
-   pause for those keys only) and keeps serving everything else.
+   resharded, the old list becomes version 1) and the new map as *pending*. Everything is still
+   served; a source records which of its leaving rows are written from now on.
 2. **Copy.** Each source exports the rows it will lose, whole (weights, optimizer state,
    frequency), straight from its store after writing back its dirty rows; the coordinator imports
-   each batch on the row's new owner, which replaces any stale copy. Then every new owner flushes.
-3. **Commit.** Every server adopts the new map and deletes the rows that left it. A client still
+   each batch on the row's new owner, which replaces any stale copy. Training goes on.
+3. **Freeze and copy what changed.** The sources start refusing writes to their leaving rows
+   (``MigratingError``: clients resend them) and export only the leaving rows written during the
+   copy; the new owners import them and flush. This is the only pause, and only for writes that
+   touch moving rows.
+4. **Commit.** Every server adopts the new map and deletes the rows that left it. A client still
    routing by the old map is refused with the new one (``WrongShardError``, nothing applied),
    adopts it and sends the keys to their new owners: no key is ever served by two shards.
 
 A crash of any party (a source, a target, the coordinator) leaves the pending map persisted on
-the servers; running the same reshard again resumes: until the first commit the copy is redone
-(the moving rows are frozen on their sources, so the copy is idempotent), after it the remaining
-commits are sent. A reshard to another list is refused while one is pending.
+the servers; running the same reshard again resumes: until the first commit the sources are
+frozen at once and the whole copy is redone (idempotent: the moving rows no longer change), after
+it the remaining commits are sent. A reshard to another list is refused while one is pending.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +59,9 @@ class ReshardReport:
         shards: the shards of that map (name -> address).
         moved_rows: rows copied to their new owners, per table.
         deleted_rows: rows deleted from the shards they left.
-        seconds: wall time of the copy (begin to last import).
+        seconds: wall time of the copy (begin to the last import of the first copy).
+        pause_seconds: wall time during which writes to moving rows were refused (freeze to commit).
+        delta_rows: rows copied again because they were written during the first copy.
         total_seconds: wall time of the whole reshard.
         resumed: an interrupted reshard was finished.
     """
@@ -65,6 +71,8 @@ class ReshardReport:
     moved_rows: dict[str, int] = field(default_factory=dict)
     deleted_rows: int = 0
     seconds: float = 0.0
+    pause_seconds: float = 0.0
+    delta_rows: int = 0
     total_seconds: float = 0.0
     resumed: bool = False
 
@@ -146,10 +154,12 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
                               "does not know; make the client from that map's list")
     committed = any(c.version == target.version for c in currents)
     everyone = {n: shards[n] for n in dict.fromkeys([*current.shards, *target.shards])}
-    # 1. begin: every server holds the map in force and the pending one
-    for name, shard in everyone.items():
-        call(shard, "SetShardMap", pb.SetShardMapRequest(name=name, current=current.to_json(),
-                                                        pending=target.to_json()))
+    # 1. begin: every server holds the map in force and the pending one (a resumed one frozen at once)
+    def begin(names: Sequence[str], freeze: bool) -> None:
+        for name in names:
+            call(everyone[name], "SetShardMap", pb.SetShardMapRequest(name=name, current=current.to_json(),
+                                                                     pending=target.to_json(), freeze=freeze))
+    begin(list(everyone), freeze=resumed)
     report = ReshardReport(target.version, named, resumed=resumed)
     t_copy = time.monotonic()
     if not committed:
@@ -163,43 +173,60 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
             for t_name, t in tables.items():
                 if t_name not in have:
                     call(everyone[name], "CreateTable", pb.CreateTableRequest(table=t))
-        # 2. copy
-        bar = _progress(progress, target.version)
-        try:
-            for source in current.shards:
-                for table in sorted(tables):
-                    moved = _copy(client, everyone, source, table, target.version, batch_rows, deadline, bar)
-                    report.moved_rows[table] = report.moved_rows.get(table, 0) + moved
-        finally:
-            if bar is not None:
-                bar.close()
+        # 2. copy, while training goes on (a resumed reshard is frozen already: this copy is the last)
+        def copy_all(written_only: bool) -> int:
+            bar = _progress(progress, target.version, "changed rows" if written_only else "rows")
+            total = 0
+            try:
+                for source in current.shards:
+                    for table in sorted(tables):
+                        moved = _copy(client, everyone, source, table, target.version, batch_rows, deadline, bar,
+                                      written_only)
+                        report.moved_rows[table] = report.moved_rows.get(table, 0) + (0 if written_only else moved)
+                        total += moved
+            finally:
+                if bar is not None:
+                    bar.close()
+            return total
+        copy_all(written_only=False)
+        report.seconds = time.monotonic() - t_copy
+        t_freeze = time.monotonic()
+        if not resumed:
+            # 3. freeze the leaving rows and copy again the ones written meanwhile
+            begin(list(current.shards), freeze=True)
+            report.delta_rows = copy_all(written_only=True)
         for name in target.shards:
             call(everyone[name], "Flush", pb.FlushRequest())
-    report.seconds = time.monotonic() - t_copy
-    # 3. commit (new owners first: a client that learns the new map from one finds its new shards serving)
-    order = [*target.shards, *(n for n in current.shards if n not in target.shards)]
-    for name in order:
-        reply = call(everyone[name], "CommitShardMap", pb.CommitShardMapRequest(version=target.version))
-        report.deleted_rows += int(reply.deleted_rows)
+    else:
+        t_freeze = time.monotonic()
+    # 4. commit, on every server at once: each switches maps first and then deletes the rows that left it
+    # (a client that meets a shard not yet switched is refused with the older map and tries again)
+    with ThreadPoolExecutor(max_workers=len(everyone)) as pool:
+        replies = list(pool.map(lambda name: call(everyone[name], "CommitShardMap", pb.CommitShardMapRequest(
+            version=target.version)), list(everyone)))
+    report.deleted_rows = sum(int(r.deleted_rows) for r in replies)
+    report.pause_seconds = time.monotonic() - t_freeze
     client._adopt(target)
     client._refresh_tables()
     report.total_seconds = time.monotonic() - t_start
     return report
 
 
-def _progress(show: bool, version: int) -> Any:
+def _progress(show: bool, version: int, what: str) -> Any:
     if not show:
         return None
     from tqdm import tqdm
 
-    return tqdm(desc=f"reshard to map v{version}", unit=" rows", unit_scale=True, leave=False)
+    return tqdm(desc=f"reshard to map v{version}: {what}", unit=" rows", unit_scale=True, leave=False)
 
 
 def _copy(client: Client, shards: Mapping[str, _Shard], source: str, table: str, version: int, batch_rows: int,
-          deadline: float, bar: Any) -> int:
-    """Stream one source's leaving rows of ``table`` to their new owners; rows copied."""
+          deadline: float, bar: Any, written_only: bool = False) -> int:
+    """Stream one source's leaving rows of ``table`` (``written_only``: those written since the begin) to
+    their new owners; rows copied."""
     src = shards[source]
-    stream = src.stub.ExportRows(pb.ExportRowsRequest(table=table, pending_version=version, batch_rows=batch_rows),
+    stream = src.stub.ExportRows(pb.ExportRowsRequest(table=table, pending_version=version, batch_rows=batch_rows,
+                                                      written_only=written_only),
                                  timeout=max(deadline - time.monotonic(), 0.001), metadata=client._auth,
                                  wait_for_ready=client._wait)
     moved = 0
@@ -268,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     moved = sum(report.moved_rows.values())
     print(f"shard map version {report.version}: {sorted(report.shards.values())}; moved {moved:,} rows "
-          f"({report.rows_per_second:,.0f} rows/s), deleted {report.deleted_rows:,} from the shards they left, "
-          f"{report.total_seconds:.1f} s{' (resumed)' if report.resumed else ''}")
+          f"({report.rows_per_second:,.0f} rows/s) and {report.delta_rows:,} written meanwhile again, deleted "
+          f"{report.deleted_rows:,} from the shards they left; writes to moving rows waited "
+          f"{report.pause_seconds:.2f} s of {report.total_seconds:.1f} s{' (resumed)' if report.resumed else ''}")
     return 0

@@ -60,9 +60,18 @@ class HashRing:
         """Shard index (int64 [n]) of each key (int64 [n])."""
         if len(self.names) == 1:
             return np.zeros(keys.shape[0], dtype=np.int64)
-        idx = np.searchsorted(self._points, mix64(keys), side="left")
+        return self.owners_of_hashes(mix64(keys))
+
+    def owners_of_hashes(self, hashes: np.ndarray) -> np.ndarray:
+        """Shard index (int64 [n]) owning each position on the ring (uint64 [n])."""
+        idx = np.searchsorted(self._points, hashes, side="left")
         idx[idx == self._points.shape[0]] = 0  # past the last point: wrap to the first
         return self._owners[idx]
+
+    @property
+    def points(self) -> np.ndarray:
+        """The ring's points (uint64, ascending)."""
+        return self._points
 
     def split(self, keys: np.ndarray) -> list[np.ndarray]:
         """Positions (int64, ascending) of the keys each shard owns, one array per shard."""
@@ -122,6 +131,21 @@ class ShardMap:
         if name not in self.shards:
             return np.zeros(keys.shape[0], dtype=bool)
         return self.ring.owners(keys) == self.names.index(name)
+
+    def loses(self, name: str, other: ShardMap) -> bool:
+        """Whether some key ``name`` owns under this map belongs to another shard under ``other``.
+
+        Between two consecutive points of both rings every key has the same owner in each map (the
+        owner of the interval's upper point), so comparing the owners at every point is exact.
+        """
+        if name not in self.shards:
+            return False
+        if name not in other.shards:
+            return True
+        points = np.union1d(self.ring.points, other.ring.points)
+        mine = self.ring.owners_of_hashes(points) == self.names.index(name)
+        theirs = other.ring.owners_of_hashes(points) == other.names.index(name)
+        return bool((mine & ~theirs).any())
 
     def to_json(self) -> str:
         """The map as JSON (what servers persist and send in refusals)."""

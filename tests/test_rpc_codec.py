@@ -317,3 +317,17 @@ def test_unaligned_tensor_data_is_copied() -> None:
     raw = wire.RawTensor(dtype="float32", shape=[2], data=memoryview(buf)[1:])  # at an odd address
     arr = codec.decode_tensor(raw, "x", InvalidGradientError, ("float32",), 1)
     assert arr.flags.aligned and arr.tolist() == [1.5, 2.5]
+
+
+def test_shard_map_loses_says_exactly_which_shards_give_keys_away() -> None:
+    from embcache.ring import ShardMap
+
+    two, three = ShardMap(1, {"a": "x:1", "b": "x:2"}), ShardMap(2, {"a": "x:1", "b": "x:2", "c": "x:3"})
+    keys = np.arange(200_000)
+    for before, after in ((two, three), (three, two)):
+        for name in ("a", "b", "c"):
+            lost = (before.owned_by(keys, name) & ~after.owned_by(keys, name)).any()
+            assert before.loses(name, after) == bool(lost), (name, before.version)
+    assert two.loses("a", three) and not three.loses("a", two) and three.loses("c", two)
+    assert two == ShardMap(1, {"b": "elsewhere:2", "a": "x:1"})  # names, not addresses, make a map
+    assert ShardMap.from_json(three.to_json()) == three

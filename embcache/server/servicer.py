@@ -592,8 +592,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
 
     # ------------------------------------------------------------------ resharding
     def _map_state(self) -> pb.ShardMapState:
-        current, pending, name = self._gate.state()
-        return pb.ShardMapState(current=current, pending=pending, name=name)
+        current, pending, name, frozen = self._gate.state()
+        return pb.ShardMapState(current=current, pending=pending, name=name, frozen=frozen)
 
     def GetShardMap(self, request: pb.GetShardMapRequest, context: grpc.ServicerContext) -> pb.ShardMapState:
         """The shard map in force, the pending one and this server's name."""
@@ -602,7 +602,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     def SetShardMap(self, request: pb.SetShardMapRequest, context: grpc.ServicerContext) -> pb.ShardMapState:
         """Install the fleet's map and begin a migration to the pending one (idempotent)."""
         def set_map() -> pb.ShardMapState:
-            self._gate.set_map(request.name, request.current, request.pending)
+            self._gate.set_map(request.name, request.current, request.pending, request.freeze)
             return self._map_state()
         return self._run("SetShardMap", context, set_map)
 
@@ -611,7 +611,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """The rows of a table that leave this shard under the pending map, whole, grouped by new owner."""
         def stream() -> Iterator[pb.ExportRowsResponse]:
             for to, keys, records, freq in self._gate.export(request.table, request.pending_version,
-                                                             int(request.batch_rows)):
+                                                             int(request.batch_rows), request.written_only):
                 yield pb.ExportRowsResponse(to=to, keys=codec.encode_tensor(keys), records=records.tobytes(),
                                             freq=codec.encode_tensor(freq))
         yield from self._run_stream("ExportRows", context, stream())

@@ -7,9 +7,11 @@ target list as a *pending* version 2, and from then on each server:
 - refuses a keyed request routed by another map version, or carrying a key it does not own
   (``WrongShardError``, FAILED_PRECONDITION, not applied, with its map in the trailing metadata:
   the client adopts it and routes again) -- so no two shards ever serve one key under two maps;
-- while a migration is pending, refuses writes to the rows that leave it (``MigratingError``,
-  UNAVAILABLE, not applied: the client resends them) and exports those rows, whole (weights,
-  optimizer state, frequency), for the coordinator to import on their new owners;
+- while a migration is pending, exports the rows that leave it, whole (weights, optimizer state,
+  frequency), for the coordinator to import on their new owners: first while writes to them go
+  on (each written key is recorded), then, once *frozen*, only the rows written meanwhile, while
+  writes to leaving rows are refused (``MigratingError``, UNAVAILABLE, not applied: the client
+  resends them) -- the pause a training step sees is that last, small copy and the commit;
 - on commit, adopts the pending map and deletes the rows that left it.
 
 The map, the pending map and the server's name persist in ``<path>/shard-map.json`` (written
@@ -73,12 +75,17 @@ class ShardGate:
         self.current: ShardMap | None = None
         self.pending: ShardMap | None = None
         self.name = ""
+        self.frozen = False
+        # leaving keys written since this process began the pending migration, per table (None: not
+        # recorded since its beginning, e.g. after a restart: a written-only export sends them all)
+        self._written: dict[str, list[np.ndarray]] | None = None
         self.rows = {"exported": 0, "imported": 0, "deleted": 0}
         try:
             with open(self._path, "rb") as f:
                 data = json.loads(f.read())
             self.name = str(data.get("name", ""))
             self.current, self.pending = _map(data.get("current", "")), _map(data.get("pending", ""))
+            self.frozen = bool(data.get("frozen", False)) and self.pending is not None
         except FileNotFoundError:
             pass
         except (OSError, ValueError, AttributeError) as exc:
@@ -89,15 +96,15 @@ class ShardGate:
                         self.pending.version)
 
     # ------------------------------------------------------------------ state
-    def state(self) -> tuple[str, str, str]:
-        """``(current, pending, name)``: the maps as JSON ("" for none) and this server's name."""
+    def state(self) -> tuple[str, str, str, bool]:
+        """``(current, pending, name, frozen)``: the maps as JSON ("" for none), this server's name, frozen."""
         with self._cond:
             return (self.current.to_json() if self.current else "", self.pending.to_json() if self.pending else "",
-                    self.name)
+                    self.name, self.frozen)
 
     def _save(self) -> None:
         body = json.dumps({"name": self.name, "current": self.current.to_json() if self.current else "",
-                           "pending": self.pending.to_json() if self.pending else ""}).encode()
+                           "pending": self.pending.to_json() if self.pending else "", "frozen": self.frozen}).encode()
         tmp = f"{self._path}.tmp"
         with open(tmp, "wb") as f:
             f.write(body)
@@ -172,12 +179,16 @@ class ShardGate:
             self._check(version, keys)
             pending = self.pending
             if pending is not None:
-                for table, k in keys.items():
-                    stays = pending.owned_by(k, self.name)
-                    if not stays.all():
-                        raise MigratingError(
-                            f"{int((~stays).sum())} key(s) of table {table!r} are moving to another shard (shard map "
-                            f"version {pending.version} pending); nothing was applied: resend after the migration")
+                leaving = {table: k[~pending.owned_by(k, self.name)] for table, k in keys.items()}
+                moving = {table: k for table, k in leaving.items() if k.size}
+                if moving and self.frozen:
+                    table, k = next(iter(moving.items()))
+                    raise MigratingError(
+                        f"{k.size} key(s) of table {table!r} are moving to another shard (shard map version "
+                        f"{pending.version} pending); nothing was applied: resend after the migration")
+                if moving and self._written is not None:
+                    for table, k in moving.items():
+                        self._remember(table, k)
             self._writers += 1
         try:
             yield
@@ -186,11 +197,20 @@ class ShardGate:
                 self._writers -= 1
                 self._cond.notify_all()
 
+    def _remember(self, table: str, keys: np.ndarray) -> None:
+        """Record leaving keys written while the migration copies (lock held); deduplicated as it grows."""
+        assert self._written is not None
+        parts = self._written.setdefault(table, [])
+        parts.append(np.array(keys, dtype=np.int64))
+        if len(parts) > 256:
+            self._written[table] = [np.unique(np.concatenate(parts))]
+
     # ------------------------------------------------------------------ migration
-    def set_map(self, name: str, current_json: str, pending_json: str) -> None:
+    def set_map(self, name: str, current_json: str, pending_json: str, freeze: bool = False) -> None:
         """Install the fleet's current map (if this server has none) and begin a migration to ``pending``.
 
-        Idempotent: setting what is already set (a resumed reshard) changes nothing.
+        Idempotent: setting what is already set (a resumed reshard) changes nothing. ``freeze``
+        (with the same pending map) starts refusing writes to the leaving rows, for the last copy.
 
         Raises:
             ConfigError: malformed maps, versions that do not follow, a different map in force,
@@ -217,9 +237,12 @@ class ShardGate:
             if self.name and self.name != name:
                 raise ConfigError(f"this server is {self.name!r} in the fleet's maps, not {name!r}")
             pending = pending if pending is not None else self.pending
-            if (self.name, self.current, self.pending) == (name, current, pending):
-                return  # already so (another client installed the same map)
-            self.name, self.current, self.pending = name, current, pending
+            frozen = pending is not None and (freeze or self.frozen)
+            if (self.name, self.current, self.pending, self.frozen) == (name, current, pending, frozen):
+                return  # already so (another client installed the same map, or a resumed reshard)
+            if pending is not None and self.pending is None:
+                self._written = {}  # from now on, every write to a leaving row is recorded
+            self.name, self.current, self.pending, self.frozen = name, current, pending, frozen
             self._save()
         log.info("shard map: serving version %d as %r%s", current.version, name,
                  f", migrating to version {pending.version}" if pending is not None else "")
@@ -231,14 +254,28 @@ class ShardGate:
                                  f"(pending: {pending.version if pending else 'none'})")
         return pending
 
-    def export(self, table: str, version: int, batch_rows: int) -> Iterator[tuple[str, np.ndarray, np.ndarray,
-                                                                                   np.ndarray]]:
+    def export(self, table: str, version: int, batch_rows: int,
+               written_only: bool = False) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
         """Rows of ``table`` this shard owns now but not under the pending map: ``(owner, keys, records, freq)``.
 
+        Args:
+            written_only: only those written since the migration began (needs the migration
+                frozen, so that the record is final); all of them when this process has not
+                recorded the writes since the beginning (it restarted meanwhile).
+
         Raises:
-            PassStateError: no migration to ``version`` is pending. UnknownTableError, StoreError.
+            PassStateError: no migration to ``version`` is pending, or ``written_only`` while not frozen.
+            UnknownTableError, StoreError.
         """
         pending = self._pending(version)
+        only: np.ndarray | None = None
+        if written_only:
+            with self._cond:
+                if not self.frozen:
+                    raise PassStateError("ExportRows of the written rows needs the migration frozen first")
+                if self._written is not None:
+                    parts = self._written.get(table, [])
+                    only = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
         current, me = self.current, self.name
         assert current is not None
 
@@ -246,7 +283,7 @@ class ShardGate:
             return current.owned_by(keys, me) & ~pending.owned_by(keys, me)
 
         names = pending.names
-        for keys, records, freq in self._cache.export_rows(table, leaving, batch_rows or 65536):
+        for keys, records, freq in self._cache.export_rows(table, leaving, batch_rows or 65536, keys=only):
             owners = pending.ring.owners(keys)
             for owner in np.unique(owners):
                 pick = owners == owner
@@ -281,14 +318,19 @@ class ShardGate:
             PassStateError: neither pending nor in force.
         """
         with self._exclusive():
+            before = self.current
             if self.current is not None and self.current.version == version and self.pending is None:
-                pass
+                before = None  # committed already: delete what a crash may have left
             else:
                 self.current, self.pending = self._pending(version), None
+                self.frozen, self._written = False, None
                 self._save()
         current, me = self.current, self.name
         assert current is not None
         deleted = 0
+        if before is not None and not before.loses(me, current):
+            log.info("shard map: committed version %d as %r (nothing left this shard)", version, me)
+            return 0
         for table in self._cache.tables():
             gone = [k for k, _, _ in self._cache.export_rows(table, lambda keys: ~current.owned_by(keys, me))]
             for keys in gone:

@@ -378,38 +378,44 @@ class ResidentKeysResponse(_message.Message):
     def __init__(self, keys: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ShardMapState(_message.Message):
-    __slots__ = ("current", "pending", "name")
+    __slots__ = ("current", "pending", "name", "frozen")
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_FIELD_NUMBER: _ClassVar[int]
     current: str
     pending: str
     name: str
-    def __init__(self, current: _Optional[str] = ..., pending: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    frozen: bool
+    def __init__(self, current: _Optional[str] = ..., pending: _Optional[str] = ..., name: _Optional[str] = ..., frozen: _Optional[bool] = ...) -> None: ...
 
 class GetShardMapRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SetShardMapRequest(_message.Message):
-    __slots__ = ("name", "current", "pending")
+    __slots__ = ("name", "current", "pending", "freeze")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    FREEZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     current: str
     pending: str
-    def __init__(self, name: _Optional[str] = ..., current: _Optional[str] = ..., pending: _Optional[str] = ...) -> None: ...
+    freeze: bool
+    def __init__(self, name: _Optional[str] = ..., current: _Optional[str] = ..., pending: _Optional[str] = ..., freeze: _Optional[bool] = ...) -> None: ...
 
 class ExportRowsRequest(_message.Message):
-    __slots__ = ("table", "pending_version", "batch_rows")
+    __slots__ = ("table", "pending_version", "batch_rows", "written_only")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     PENDING_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_ONLY_FIELD_NUMBER: _ClassVar[int]
     table: str
     pending_version: int
     batch_rows: int
-    def __init__(self, table: _Optional[str] = ..., pending_version: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    written_only: bool
+    def __init__(self, table: _Optional[str] = ..., pending_version: _Optional[int] = ..., batch_rows: _Optional[int] = ..., written_only: _Optional[bool] = ...) -> None: ...
 
 class ExportRowsResponse(_message.Message):
     __slots__ = ("to", "keys", "records", "freq")
