@@ -331,3 +331,16 @@ def test_shard_map_loses_says_exactly_which_shards_give_keys_away() -> None:
     assert two.loses("a", three) and not three.loses("a", two) and three.loses("c", two)
     assert two == ShardMap(1, {"b": "elsewhere:2", "a": "x:1"})  # names, not addresses, make a map
     assert ShardMap.from_json(three.to_json()) == three
+
+
+def test_ring_owner_lookup_matches_a_binary_search_everywhere_on_the_ring() -> None:
+    rng = np.random.default_rng(3)
+    for names in (["a", "b"], ["a", "b", "c"], [f"s{i}" for i in range(17)]):
+        ring = HashRing(names)
+        hashes = np.concatenate([rng.integers(0, 2**63, 50_000).astype(np.uint64) * np.uint64(2),
+                                 ring.points, ring.points - np.uint64(1), ring.points + np.uint64(1),
+                                 np.array([0, 2**64 - 1], dtype=np.uint64)])
+        expected = np.searchsorted(ring.points, hashes, side="left")
+        expected[expected == ring.points.shape[0]] = 0
+        assert np.array_equal(ring.owners_of_hashes(hashes), ring.owners_of_hashes(hashes))
+        assert np.array_equal(ring.owners_of_hashes(hashes), np.asarray(ring._owners)[expected])
