@@ -5,6 +5,7 @@
 """
 
 from . import nn
+from ._version import version as _version
 from .cache import EmbeddingCache
 from .client import Client
 from .config import CacheConfig, TableConfig
@@ -30,7 +31,7 @@ from .prefetch import LookAhead, PrefetchFuture
 from .rpc.errors import DataLossError, ShardRestartedError
 from .types import Initializer, Optimizer, PolicyName, StoreKind, Tier
 
-__version__ = "0.1.0"
+__version__ = _version()
 
 __all__ = [
     "BatchTooLargeError",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import reshard, sizing
+from . import __version__, reshard, sizing
 
 __all__ = ["main"]
 
@@ -18,6 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand."""
     parser = argparse.ArgumentParser(prog="embcache", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"embcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("sizing", help="miss-ratio curves of a key trace and the tier sizes a target needs",
                        description=sizing.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

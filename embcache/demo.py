@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from . import __version__
 from .cache import EmbeddingCache
 from .config import CacheConfig, TableConfig
 
@@ -37,7 +38,9 @@ def draw(cdf: np.ndarray, perm: np.ndarray, n: int, rng: np.random.Generator) ->
 
 def main(argv: list[str] | None = None) -> None:
     """Run the demo (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="embcache-demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"embcache-demo {__version__}")
     parser.add_argument("--steps", type=int, default=600, help="training batches (default 600)")
     parser.add_argument("--batch", type=int, default=4096, help="samples per batch (default 4096)")
     parser.add_argument("--users", type=int, default=1_000_000, help="user ids (default 1M)")

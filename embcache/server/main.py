@@ -273,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (flags override the config file)."""
     p = argparse.ArgumentParser(prog="embcache-server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"embcache-server {__version__}")
     p.add_argument("--config", help="TOML or JSON config file")
     p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051; port 0 picks a free port)")
     p.add_argument("--path", help="store directory (default ./embcache-data)")
