@@ -52,6 +52,11 @@ DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 # histogram (checked against a live server below).
 NOT_FROM_EMBEDDED_CACHE = {
     "embcache_rpc_request_duration_seconds",
+    "embcache_shard_map_version",
+    "embcache_migration_pending",
+    "embcache_migration_rows_total",
+    "embcache_memory_limit_bytes",
+    "embcache_build_info",
 }
 # Metrics the rules use that wait on a field of EmbeddingCache.stats() (deploy/README.md, "Metrics"):
 # metric -> (stats section, field). Once stats() reports the field, the metric must be exported.

@@ -274,6 +274,28 @@ def test_metrics_endpoint(served: Served) -> None:
     assert ok and float(ok.group(1)) >= 1
     assert re.search(r'embcache_rpc_request_duration_seconds_count\{code="NOT_FOUND",method="Lookup"\} ', text)
     assert re.search(r'embcache_lookups_total\{table="b"\} ', text)
+    # what an operator expects of any server, and the fleet's state
+    from embcache import __version__
+    from embcache.server.procmetrics import memory_limit_bytes
+
+    rss = re.search(r"^process_resident_memory_bytes (\S+)$", text, re.M)
+    assert rss and float(rss.group(1)) > 50e6
+    assert f'embcache_build_info{{version="{__version__}"}} 1.0' in text
+    assert ("embcache_memory_limit_bytes " in text) == (memory_limit_bytes() is not None)
+    assert re.search(r"^embcache_shard_map_version \d", text, re.M)
+    assert re.search(r"^embcache_migration_pending 0", text, re.M)
+
+
+def test_memory_limit_is_read_from_the_cgroup_files(tmp_path: Path) -> None:
+    from embcache.server.procmetrics import memory_limit_bytes
+
+    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    v2.write_text("max\n")
+    assert memory_limit_bytes([str(v2)]) is None
+    v2.write_text("8589934592\n")
+    assert memory_limit_bytes([str(tmp_path / "absent"), str(v2)]) == 8 << 30
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "no limit"
+    assert memory_limit_bytes([str(v1)]) is None
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_server_keeps_serving(served: Served) -> None:

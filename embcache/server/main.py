@@ -115,6 +115,7 @@ from ..errors import ConfigError
 from ..rpc.v1 import embcache_pb2 as pb
 from .leases import MIN_TTL_SECONDS, LeaseTable
 from .ledger import WriteLedger
+from .procmetrics import register_process_metrics
 from .servicer import READ_METHODS, SERVICE_NAME, WRITE_METHODS, Durability, EmbeddingCacheServicer, add_to_server
 from .sharding import ShardGate
 
@@ -528,6 +529,7 @@ def start_server(s: ServerSettings) -> RunningServer:
                              incarnation=durability.ledger.incarnation)
         gate = ShardGate(config.path, cache)
         gate.register_metrics(registry)
+        register_process_metrics(registry, __version__)
         servicer = EmbeddingCacheServicer(cache, durability, info, observe,
                                           s.checkpoint_root or os.path.join(config.path, "checkpoints"),
                                           LeaseTable(cache, float(s.max_lease_seconds)), gate)
