@@ -181,7 +181,7 @@ def dashboard_queries() -> list[str]:
 def concrete(expr: str) -> str:
     """Grafana variables replaced by values Prometheus accepts."""
     for var, value in (("$__rate_interval", "1m"), ("$__interval", "15s"), ("$__range", "1h"),
-                       ("$job", "embcache"), ("$table", "user")):
+                       ("$job", "embcache"), ("$instance", "a"), ("$table", "user")):
         expr = expr.replace(var, value)
     assert "$" not in expr, f"unknown Grafana variable in {expr!r}"
     return expr
@@ -209,7 +209,7 @@ def test_dashboard_promql_is_valid(tmp_path: Path) -> None:
 def test_dashboard_layout_and_variables() -> None:
     dash = json.loads(DASHBOARD.read_text())
     names = [v["name"] for v in dash["templating"]["list"]]
-    assert names == ["datasource", "job", "table"]
+    assert names == ["datasource", "job", "instance", "table"]
     panels = list(dashboard_panels(dash))
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
@@ -222,13 +222,18 @@ def test_dashboard_layout_and_variables() -> None:
         cells |= mine
         for t in p.get("targets", []):
             assert t["datasource"]["uid"] == "${datasource}"
-            # Per-table series are filtered by the table variable (the server's RPC and disk series have no table).
-            if "rpc_request" not in t["expr"] and "filesystem" not in t["expr"]:
+            # Every series is filtered by the shard variable, per-table ones by the table variable too (the
+            # server's RPC, disk, process and resharding series have no table).
+            # (recording rules sum over shards: they have no instance)
+            raw = re.findall(r'(?<![\w:])([a-z_]+)\{job=~"\$job"(,instance=~"\$instance")?', t["expr"])
+            assert all(filtered for _, filtered in raw), t["expr"]
+            if not re.search(r"rpc_request|filesystem|process_|memory_limit|shard_map|migration_", t["expr"]):
                 assert 'table=~"$table"' in t["expr"], t["expr"]
     exprs = " ".join(dashboard_queries())
     for needed in ("embcache_tier_hit_ratio", "embcache_mrc_hit_ratio", "embcache_lookups_total",
                    "histogram_quantile(0.99", "embcache_tier_demotions_total", "embcache_tier_resident_bytes",
-                   "embcache_ssd_read_bytes_total", "embcache_ssd_write_bytes_total"):
+                   "embcache_ssd_read_bytes_total", "embcache_ssd_write_bytes_total", "process_resident_memory_bytes",
+                   "process_cpu_seconds_total", "embcache_memory_limit_bytes", "embcache_shard_map_version"):
         assert needed in exprs, needed
 
 
