@@ -739,6 +739,26 @@ def test_the_embedded_cache_is_cache_like(make_cache: Any) -> None:
     assert set(cache.tables()) == {"t"} and cache.device == torch.device("cpu")
 
 
+def test_outputs_go_to_the_module_device_not_the_input_device(make_cache: Any) -> None:
+    # The model's device decides (TorchRec's rule): a CUDA model fed host ids must get CUDA
+    # outputs (examples/dlrm.py crashed in torch.cat otherwise). "meta" stands in for a device
+    # other than the input's, which a CPU-only build cannot otherwise give.
+    cache = make_cache(tables=[sgd1(), sgd1("u")])
+    input, offsets = i64(1, 2, 2, 7), i64(0, 3)
+    with torch.no_grad():
+        assert CachedEmbeddingBag(cache, "t", mode="sum")(input, offsets).device == cache.device
+        assert CachedEmbedding(cache, "t", device="meta")(input).device.type == "meta"
+        bag = CachedEmbeddingBag(cache, "t", mode="sum", device="meta")
+        out = bag(input, offsets)
+        assert out.device.type == "meta" and out.shape == (2, DIM)
+        assert "device='meta'" in repr(bag) and bag.output_device == torch.device("meta")
+        ebc = CachedEmbeddingBagCollection(cache, ["t", "u"], device=torch.device("meta"))
+        outs = ebc({"t": (input, offsets), "u": input.view(2, 2)})
+        assert {o.device.type for o in outs.values()} == {"meta"}
+    with pytest.raises(ConfigError, match="device"):
+        CachedEmbeddingBag(cache, "t", device="gpu0")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_cache_with_cpu_and_cuda_inputs(tmp_path: Any, store: str) -> None:
     rb = row_bytes(DIM)
@@ -752,7 +772,7 @@ def test_cuda_cache_with_cpu_and_cuda_inputs(tmp_path: Any, store: str) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 out = bag(input.to(device), offsets.to(device))
-            assert out.device.type == device
+            assert out.device == cache.device  # the cache's device, wherever the input was
             torch.testing.assert_close(out.cpu(), ref(input, offsets), rtol=1e-6, atol=1e-6)
         out.sum().backward()
         ref(input, offsets).sum().backward()
