@@ -114,6 +114,16 @@ _RECENT_MAX_ROWS = 65536
 _READER_THREADS = 4
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; host to GPU through pinned memory, asynchronously (the caching host
+    allocator keeps the pinned block until the copy has run), not a blocking pageable copy."""
+    if device.type == "cuda" and t.device.type == "cpu" and t.numel():
+        if not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -496,10 +506,14 @@ class EmbeddingCache:
             raise UnknownTableError(f"unknown table {name!r}; tables: {sorted(self._tables)}") from None
 
     def _keys(self, keys: Any) -> torch.Tensor:
+        return self._keys_both(keys)[1]
+
+    def _keys_both(self, keys: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checked keys as given (host or device) and on the cache's device."""
         keys = as_key_tensor(keys, self._config.max_batch_keys)
         if keys.device.type not in ("cpu", self._device.type):
             raise InvalidKeysError(f"keys are on {keys.device}; allowed: cpu or {self._device}")
-        return keys.to(self._device)
+        return keys, _to_device(keys, self._device)
 
     def _rows_arg(self, what: str, values: Any, n: int, dim: int,
                   err: type[InvalidGradientError] | type[InvalidRowsError]) -> torch.Tensor:
@@ -531,7 +545,7 @@ class EmbeddingCache:
             StoreError (the store failed; nothing changed).
         """
         t = self._table(table)
-        keys = self._keys(keys)
+        given, keys = self._keys_both(keys)
         n, dim = keys.numel(), t.cfg.dim
         if out is None:
             out = torch.empty(n, dim, dtype=torch.float32, device=self._device)
@@ -555,7 +569,7 @@ class EmbeddingCache:
             t.stats.lookups += n
             t.stats.hbm.hits += n_hit
             if t.mrc is not None:
-                t.mrc.observe(keys)
+                t.mrc.observe(given)  # host keys when the caller gave them: no copy back from the GPU
             self._advance_clock(t, n)
         return out
 

@@ -178,6 +178,16 @@ class KeyIndex(abc.ABC):
             (slots int64 [n], -1 where absent; how many keys were found).
         """
         slots = self.find(keys)
+        if self.device.type != "cpu":
+            # On a GPU: no nonzero (a host sync to size its output); the count is the one sync
+            # (the caller must know whether anything missed). Misses add 0 to slot 0's frequency
+            # and leave its ``last`` as it was (amax with int64 min; ``now`` never goes back).
+            found = slots >= 0
+            at = slots.clamp(min=0)
+            freq.index_add_(0, at, found.to(freq.dtype) * inc)
+            stamp = torch.where(found, now, torch.iinfo(torch.int64).min).to(last.dtype)
+            last.scatter_reduce_(0, at, stamp, reduce="amax")
+            return slots, int(found.sum())
         hit = torch.nonzero(slots >= 0).flatten()
         if hit.numel():
             hs = slots.index_select(0, hit)

@@ -1,0 +1,38 @@
+"""The CUDA code path, run on the CPU under the stand-in of tests/fakecuda.py.
+
+Each test here failed before the fix it names (under the stand-in), where a real GPU would have
+crashed, synchronized or drawn from the wrong random stream. Backward passes run on the CPU
+device elsewhere: the stand-in cannot carry autograd (see its docstring).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from embcache import EmbeddingCache, TableConfig
+
+from .fakecuda import FakeCuda, is_fake_cuda
+
+
+def adagrad(name: str = "t", dim: int = 8) -> TableConfig:
+    return TableConfig(name=name, dim=dim, optimizer="adagrad", lr=0.1, seed=3)
+
+
+# ---------------------------------------------------------------------- item 3: host syncs per call
+def test_all_hit_lookup_syncs_once_and_copies_keys_once(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # A batch whose rows are all in HBM (a pass's steady state) needs the host for one thing:
+    # learning that nothing missed. Before: torch.nonzero over the probe, the miss-ratio sampler's
+    # blocking copy of the keys back to the host, and the keys' copy from pageable memory.
+    cache: EmbeddingCache = make_cache(hbm_rows=64, ddr_rows=64, device="cuda")
+    keys = torch.arange(40)
+    cache.lookup("t", keys)  # now resident
+    for k in (keys, keys.cuda()):
+        with fakecuda.count() as c:
+            out = cache.lookup("t", k)
+        assert is_fake_cuda(out)
+        assert len(c.syncs) <= 1, c.syncs
+        assert c.h2d == ([] if k.is_cuda else ["to(cuda)"]), c.h2d  # once, from pinned memory
+    assert torch.equal(out.cpu(), cache.lookup("t", keys).cpu())
+
