@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from embcache import EmbeddingCache, TableConfig
+from embcache import EmbeddingCache, Keyset, TableConfig
 
 from .fakecuda import FakeCuda, is_fake_cuda
 
@@ -36,3 +36,18 @@ def test_all_hit_lookup_syncs_once_and_copies_keys_once(fakecuda: FakeCuda, make
         assert c.h2d == ([] if k.is_cuda else ["to(cuda)"]), c.h2d  # once, from pinned memory
     assert torch.equal(out.cpu(), cache.lookup("t", keys).cpu())
 
+
+# ---------------------------------------------------------------------- item 5: keysets live on the host
+def test_keyset_of_cuda_tensors_moves_to_the_host_and_passes_work(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # Before: the keys stayed on the GPU; a pass's lookups mixed devices in Keyset.contains and
+    # prefetch called .numpy() on them.
+    keys = torch.arange(0, 60, 2)
+    ks = Keyset(keys.cuda(), torch.ones(30, dtype=torch.int64, device="cuda"))
+    assert ks.keys.device.type == "cpu" and ks.counts.device.type == "cpu"
+    assert Keyset.from_keys(keys.cuda()).keys.device.type == "cpu"
+    cache: EmbeddingCache = make_cache(hbm_rows=16, ddr_rows=32, device="cuda")
+    cache.prefetch({"t": ks}).result()
+    cache.begin_pass({"t": ks})
+    out = cache.lookup("t", torch.arange(0, 80, 2).cuda())  # 10 keys outside the keyset
+    cache.end_pass().result()
+    assert out.shape == (40, 8) and cache.stats()["t"]["pass"]["outside_keyset"] == 10
