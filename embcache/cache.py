@@ -202,8 +202,15 @@ class _Table:
         self.record_bytes = self.weight_bytes + 4 * self.state_width
         self.params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
                                       weight_decay=cfg.weight_decay)
+        # Eviction sampling draws from seeded generators of its own, one per device (a CUDA
+        # cache's DDR tier is on the host): never from torch's global generators, which are
+        # unseeded here and are the user's random stream.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(cfg.seed & 0x7FFFFFFF)
+        self.host_generator = self.generator
+        if device.type != "cpu":
+            self.host_generator = torch.Generator()
+            self.host_generator.manual_seed(cfg.seed & 0x7FFFFFFF)
         # victims each tier gave up in its last admission (the first guess of the next; see _admit)
         self.last_swaps: dict[Tier, int] = {}
         self.stats = _TableStats()
@@ -793,7 +800,7 @@ class EmbeddingCache:
             k = min(want, max(_MIN_VICTIMS, 2 * t.last_swaps.get(tier.tier, want))) if t.policy.admission else want
             while True:
                 victims, vscores = tier.lowest(k, t.scores_of(tier), self._config.eviction_sample, exclude,
-                                               t.generator if tier.device == t.device else None)
+                                               t.generator if tier.device == t.device else t.host_generator)
                 m = victims.numel()
                 if t.policy.admission and m:
                     # candidates descend and victims ascend, so the winners form a prefix

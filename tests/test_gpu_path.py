@@ -51,3 +51,25 @@ def test_keyset_of_cuda_tensors_moves_to_the_host_and_passes_work(fakecuda: Fake
     out = cache.lookup("t", torch.arange(0, 80, 2).cuda())  # 10 keys outside the keyset
     cache.end_pass().result()
     assert out.shape == (40, 8) and cache.stats()["t"]["pass"]["outside_keyset"] == 10
+
+
+# ---------------------------------------------------------------------- item 6: a seeded generator per device
+def _churn(cache: EmbeddingCache) -> torch.Tensor:
+    """Lookups of new keys a few at a time: each one evicts from HBM and DDR by sampling."""
+    for start in range(0, 400, 4):
+        cache.lookup("t", torch.arange(start, start + 4))
+    return torch.tensor(sorted(cache.resident_keys("t", "ddr").tolist()))
+
+
+def test_eviction_sampling_leaves_the_global_rng_alone_and_repeats(fakecuda: FakeCuda, make_cache: Any,
+                                                                   tmp_path: Any) -> None:
+    # Before: DDR (host) evictions of a CUDA cache drew from the global CPU generator, unseeded
+    # and shared with the user's own random stream.
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = _churn(make_cache(hbm_rows=8, ddr_rows=256, device="cuda", path=str(tmp_path / "a")))
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(456)  # another global stream: the same victims
+    second = _churn(make_cache(hbm_rows=8, ddr_rows=256, device="cuda", path=str(tmp_path / "b")))
+    assert torch.equal(first, second)
+
