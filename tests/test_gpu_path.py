@@ -73,3 +73,15 @@ def test_eviction_sampling_leaves_the_global_rng_alone_and_repeats(fakecuda: Fak
     second = _churn(make_cache(hbm_rows=8, ddr_rows=256, device="cuda", path=str(tmp_path / "b")))
     assert torch.equal(first, second)
 
+
+# ---------------------------------------------------------------------- item 7: custom policies
+def test_custom_policy_returning_host_scores_evicts_on_cuda(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # A user's score function may compute on the host (numpy, Python); before, its CPU result
+    # met the HBM tier's CUDA slots in lowest() and eviction failed with a device mix.
+    def score(freq: torch.Tensor, last: torch.Tensor, now: int) -> torch.Tensor:
+        return torch.from_numpy(freq.cpu().numpy() * 2.0)
+
+    cache: EmbeddingCache = make_cache(hbm_rows=8, ddr_rows=16, device="cuda", policy=score)
+    for start in range(0, 200, 4):
+        cache.lookup("t", torch.arange(start, start + 4))
+    assert len(cache.resident_keys("t", "hbm")) == 8
