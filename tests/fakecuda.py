@@ -316,8 +316,8 @@ class _Mode(TorchFunctionMode):
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.copy_,
                     torch.Tensor.pin_memory, torch.Tensor.is_pinned, torch.Tensor.record_stream):
             return self._transfer(func, args, kwargs)
-        if func is torch.Tensor.__torch_function__:  # pragma: no cover - defensive
-            return func(*args, **kwargs)
+        if func is torch._has_compatible_shallow_copy_type:  # Module.to asks; a wrapper never is
+            return False
         # 1. checks
         if fakes:
             if func not in _INDEXING and not name.endswith("_like"):
@@ -478,8 +478,19 @@ def fake_cuda() -> Iterator[FakeCuda]:
 _REAL_GENERATOR = torch.Generator
 
 
-def _generator(device: Any = "cpu") -> torch.Generator:
-    return _FakeGenerator() if _is_cuda(device) else _REAL_GENERATOR(device)
+class _GeneratorMeta(type(torch.Generator)):  # type: ignore[misc]
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_GENERATOR)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _REAL_GENERATOR)
+
+
+class _generator(_REAL_GENERATOR, metaclass=_GeneratorMeta):
+    """``torch.Generator`` while the stand-in is active: ``device="cuda"`` gives a :class:`_FakeGenerator`."""
+
+    def __new__(cls, device: Any = "cpu") -> Any:  # type: ignore[misc]
+        return _FakeGenerator() if _is_cuda(device) else _REAL_GENERATOR(device)
 
 
 def assert_syncs(window: _Window, at_most: int, what: str = "") -> None:

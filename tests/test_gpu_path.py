@@ -7,11 +7,15 @@ device elsewhere: the stand-in cannot carry autograd (see its docstring).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from embcache import EmbeddingCache, Keyset, TableConfig
+from embcache import CacheConfig, EmbeddingCache, Keyset, TableConfig
+from embcache.nn import CachedEmbedding, CachedEmbeddingBag, CachedEmbeddingBagCollection
+from examples import dlrm
 
 from .fakecuda import FakeCuda, is_fake_cuda
 
@@ -85,3 +89,43 @@ def test_custom_policy_returning_host_scores_evicts_on_cuda(fakecuda: FakeCuda, 
     for start in range(0, 200, 4):
         cache.lookup("t", torch.arange(start, start + 4))
     assert len(cache.resident_keys("t", "hbm")) == 8
+
+
+# ---------------------------------------------------------------------- item 1: outputs where the model computes
+def test_modules_return_cuda_outputs_for_host_inputs(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # Before: outputs followed the input (host ids -> host embeddings) and the CUDA model's
+    # torch.cat raised. Forward only: the stand-in carries no autograd (backward: test_nn, CPU).
+    cache: EmbeddingCache = make_cache(hbm_rows=16, ddr_rows=32, device="cuda", tables=[adagrad(), adagrad("u")])
+    rows = cache.lookup("t", torch.arange(10)).cpu()
+    input, offsets = torch.tensor([1, 2, 2, 7]), torch.tensor([0, 3])
+    with torch.no_grad():
+        out = CachedEmbeddingBag(cache, "t", mode="sum")(input, offsets)
+        assert is_fake_cuda(out)
+        torch.testing.assert_close(out.cpu(), torch.stack([rows[[1, 2, 2]].sum(0), rows[7]]))
+        ebc = CachedEmbeddingBagCollection(cache, ["t", "u"])
+        pooled = ebc({"t": (input, offsets), "u": torch.tensor([[3], [4]])})
+        z = torch.cat([torch.ones(2, 4, device="cuda"), pooled["t"], pooled["u"]], dim=1)
+        assert z.shape == (2, 20) and is_fake_cuda(z)
+        assert is_fake_cuda(CachedEmbedding(cache, "t")(torch.tensor([[1, 2]])))
+        assert CachedEmbedding(cache, "t", device="cpu")(torch.tensor([1])).device.type == "cpu"
+
+
+def test_dlrm_forward_step_on_cuda(fakecuda: FakeCuda, tmp_path: Any) -> None:
+    # examples/dlrm.py's step as it runs on a CUDA machine: the cache on its default device
+    # (CUDA where present), the model moved there, dense features and labels copied there and
+    # the sparse ids left on the host (its _batches). Before: the embeddings came back on the
+    # host and the model's torch.cat raised at the first step. Forward only (no autograd here).
+    dim = 8
+    tables = [TableConfig(name=t, dim=dim, optimizer="adagrad", lr=0.1, seed=i + 1) for i, t in enumerate(dlrm.TABLES)]
+    cfg = CacheConfig(hbm_bytes=1 << 20, ddr_bytes=1 << 20, path=str(tmp_path / "c"), store="lmdb")
+    with EmbeddingCache(cfg, tables) as cache:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        assert cache.device == torch.device("cuda", 0) and device.type == "cuda"
+        model = dlrm.DLRM(dim, (16,), (16,)).requires_grad_(False).to(device)
+        emb = dlrm.CacheEmbeddings(cache, device)
+        sparse = torch.randint(0, 1000, (32, len(dlrm.TABLES)))
+        dense, labels = torch.randn(32, 13).to(device, non_blocking=True), torch.rand(32).to(device)
+        with torch.no_grad():
+            logits = model(dense, emb(sparse))
+            loss = F.binary_cross_entropy_with_logits(logits, labels)
+        assert is_fake_cuda(loss) and math.isfinite(float(loss))
