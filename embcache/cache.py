@@ -72,7 +72,7 @@ from .optim import OptimizerParams, apply_update, initial_state, state_width
 from .policy import Clock, FrequencySketch, Policy, default_halflife, make_policy
 from .prefetch import PrefetchFuture
 from .stores import Store, open_store
-from .tier import MemoryTier, RowBatch, resident_row_bytes
+from .tier import MemoryTier, RowBatch, resident_row_bytes, to_device
 from .types import Tier, memory_tier
 
 __all__ = ["EmbeddingCache"]
@@ -112,16 +112,6 @@ _OVERLAP_READ_MIN = 64
 # many (at most _RECENT_MAX_ROWS x record bytes of memory per table, until the next lookup or update).
 _RECENT_MAX_ROWS = 65536
 _READER_THREADS = 4
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; host to GPU through pinned memory, asynchronously (the caching host
-    allocator keeps the pinned block until the copy has run), not a blocking pageable copy."""
-    if device.type == "cuda" and t.device.type == "cpu" and t.numel():
-        if not t.is_pinned():
-            t = t.pin_memory()
-        return t.to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _next_pow2(n: int) -> int:
@@ -520,7 +510,7 @@ class EmbeddingCache:
         keys = as_key_tensor(keys, self._config.max_batch_keys)
         if keys.device.type not in ("cpu", self._device.type):
             raise InvalidKeysError(f"keys are on {keys.device}; allowed: cpu or {self._device}")
-        return keys, _to_device(keys, self._device)
+        return keys, to_device(keys, self._device)
 
     def _rows_arg(self, what: str, values: Any, n: int, dim: int,
                   err: type[InvalidGradientError] | type[InvalidRowsError]) -> torch.Tensor:
@@ -535,7 +525,7 @@ class EmbeddingCache:
             raise err(f"{what} must have shape [{n}, {dim}] (one row per key, dim {dim}), got {tuple(values.shape)}")
         if values.device.type not in ("cpu", self._device.type):
             raise err(f"{what} are on {values.device}; allowed: cpu or {self._device}")
-        return values.to(self._device, torch.float32)
+        return to_device(values.to(torch.float32), self._device)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, table: str, keys: Any, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -602,7 +592,7 @@ class EmbeddingCache:
             t.stats.outside_keyset += int(cpu_counts[~t.pass_keyset.contains(cpu_keys)].sum())
         dslots = t.ddr.find(cpu_keys)
         in_ddr = dslots >= 0
-        values = torch.empty(ukeys.numel(), t.cfg.dim, dtype=torch.float32)
+        values = torch.empty(ukeys.numel(), t.cfg.dim, dtype=torch.float32, pin_memory=self._device.type == "cuda")
         d_hits = 0  # counted once the lookup cannot fail any more (a failed one counts no hits)
         d_pos = torch.nonzero(in_ddr).flatten()
         d_slots = dslots.index_select(0, d_pos)
@@ -650,7 +640,7 @@ class EmbeddingCache:
                 warnings.warn(f"embcache: table {t.cfg.name!r}: rows could not be cached: {failed}", stacklevel=3)
         values.index_copy_(0, s_pos, staged.weights.to(torch.float32))
         t.stats.ddr.hits += d_hits
-        return values.to(self._device)
+        return to_device(values, self._device)
 
     def _reader_pool(self) -> ThreadPoolExecutor:
         with self._reader_lock:
@@ -938,7 +928,7 @@ class EmbeddingCache:
                 hbm.dirty.index_fill_(0, hslots, True)
             else:
                 def update(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                    g = gsum[index.to(gsum.device)].to(weights.device)
+                    g = gsum[to_device(index, gsum.device)].to(weights.device)
                     return apply_update(t.cfg.optimizer, t.params, weights.to(torch.float32), state, g)
 
                 self._modify(t, ukeys, update, hslots=hslots)
@@ -984,7 +974,7 @@ class EmbeddingCache:
         def overwrite(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
             init = initial_state(t.cfg.optimizer, t.cfg.dim, index.numel(), state.device,
                                  t.cfg.initial_accumulator_value)
-            return new_rows[index.to(new_rows.device)].to(weights.device), init
+            return new_rows[to_device(index, new_rows.device)].to(weights.device), init
 
         with t.lock:
             self._table(table)
@@ -1373,8 +1363,8 @@ class EmbeddingCache:
             return scores
         ckeys = keys.cpu()
         pos = torch.searchsorted(wanted.keys, ckeys).clamp_(max=len(wanted) - 1)
-        member = (wanted.keys[pos] == ckeys).to(scores.device)
-        boost = (_WANTED_SCORE + wanted.counts[pos].to(torch.float64) * _WANTED_STEP).to(scores.device)
+        member = to_device(wanted.keys[pos] == ckeys, scores.device)
+        boost = to_device(_WANTED_SCORE + wanted.counts[pos].to(torch.float64) * _WANTED_STEP, scores.device)
         return torch.where(member, boost, scores)
 
     def _boosted_scores_of(self, t: _Table, tier: MemoryTier, wanted: Keyset | None) -> Any:

@@ -379,7 +379,7 @@ class _Mode(TorchFunctionMode):
             d_fake, s_fake = isinstance(dst, FakeCudaTensor), isinstance(source, FakeCudaTensor)
             if s_fake and not d_fake:
                 self._d2h(non_blocking and st.is_pinned(dst), "copy_")
-            elif d_fake and not s_fake and source.dim() > 0:
+            elif d_fake and not s_fake and source.numel() > 0:
                 st.note("h2d", "copy_" + ("" if non_blocking and st.is_pinned(source) else " (pageable)"))
             _unwrap(dst).copy_(_unwrap(source))
             return dst
@@ -418,7 +418,7 @@ class _Mode(TorchFunctionMode):
                 out = data.clone()  # a real copy: the host tensor must not alias device memory
             return out
         if not s_fake and target_cuda:
-            if data.dim() > 0:
+            if data.numel() > 0:  # an empty tensor copies nothing
                 st.note("h2d", "to(cuda)" + ("" if non_blocking and st.is_pinned(data) else " (pageable)"))
             return FakeCudaTensor(out.clone() if out is data else out)
         if s_fake:

@@ -129,3 +129,41 @@ def test_dlrm_forward_step_on_cuda(fakecuda: FakeCuda, tmp_path: Any) -> None:
             logits = model(dense, emb(sparse))
             loss = F.binary_cross_entropy_with_logits(logits, labels)
         assert is_fake_cuda(loss) and math.isfinite(float(loss))
+
+
+# ---------------------------------------------------------------------- the sync budget of each public call
+# Host syncs per call on "cuda", as measured under the stand-in: a regression guard, and the list
+# of what is still left to remove (README, "GPU"). An all-hit lookup is the steady state of a pass
+# and has the tight budget: one sync, the hit count that tells the host nothing missed.
+BUDGETS = {
+    "lookup, all hit": 1,
+    "lookup_many, all hit": 2,  # one per table
+    "apply_gradients, all hit": 3,  # finite check, unique, all-resident check
+    "lookup, misses": 20,  # boolean masks and small host copies while placing rows
+    "apply_gradients, misses": 17,
+    "begin_pass": 41,  # once per pass
+}
+
+
+def test_host_syncs_per_public_call_stay_within_budget(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # and no host-to-device copy from pageable memory (before: every one of them; the warm tier,
+    # pinned for this, was read into pageable memory first)
+    cache: EmbeddingCache = make_cache(hbm_rows=64, ddr_rows=128, device="cuda", tables=[adagrad(), adagrad("u")])
+    hot = torch.arange(40)
+    hot_d, grads_d = hot.cuda(), torch.ones(80, 8, device="cuda")
+    cache.lookup_many({"t": hot, "u": hot})
+    calls = {
+        "lookup, all hit": lambda: cache.lookup("t", hot),
+        "lookup_many, all hit": lambda: cache.lookup_many({"t": hot, "u": hot_d}),
+        "apply_gradients, all hit": lambda: cache.apply_gradients("t", hot, torch.ones(40, 8)),
+        "lookup, misses": lambda: cache.lookup("t", torch.arange(20, 220)),
+        "apply_gradients, misses": lambda: cache.apply_gradients("t", torch.arange(500, 580), grads_d),
+        "begin_pass": lambda: cache.begin_pass({"t": torch.arange(1000, 1100)}),
+    }
+    for name, call in calls.items():
+        with fakecuda.count() as c:
+            call()
+        assert len(c.syncs) <= BUDGETS[name], f"{name}: {len(c.syncs)} host syncs: {c.syncs}"
+        assert not [h for h in c.h2d if "pageable" in h], f"{name}: copies from pageable memory: {c.h2d}"
+    cache.end_pass().result()
+
