@@ -928,8 +928,12 @@ class EmbeddingCache:
                 hbm.dirty.index_fill_(0, hslots, True)
             else:
                 def update(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                    g = gsum[to_device(index, gsum.device)].to(weights.device)
-                    return apply_update(t.cfg.optimizer, t.params, weights.to(torch.float32), state, g)
+                    # One rule for every tier: rows of DDR and from the store are updated where
+                    # HBM's are (on a GPU: its torch ops, not the CPU kernel, which rounds
+                    # differently), so a row's next value never depends on its tier.
+                    dev = gsum.device
+                    return apply_update(t.cfg.optimizer, t.params, to_device(weights.to(torch.float32), dev),
+                                        to_device(state, dev), gsum[to_device(index, dev)])
 
                 self._modify(t, ukeys, update, hslots=hslots)
             t.stats.updates += keys.numel()
