@@ -25,6 +25,7 @@ table lock in name order. The store itself is shared and thread-safe.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -169,13 +170,48 @@ class _TableStats:
     ssd: _SsdStats = field(default_factory=_SsdStats)
 
 
+class _TableLock:
+    """A table's re-entrant lock, ordered on the GPU as well as on the host.
+
+    The lock orders when GPU work is issued, not when it runs: the background worker (prefetch,
+    end-of-pass write-back, on the cache's side stream) and a caller training on a stream of its
+    own would otherwise run their kernels on the same rows in any order. On CUDA the outermost
+    holder's current stream waits (on the device: no host sync) for an event recorded on the
+    previous holder's stream when it left, and records one when it leaves. On the CPU it is a
+    plain ``threading.RLock``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._lock = threading.RLock()
+        self._cuda = device.type == "cuda"
+        self._depth = 0  # changed only by the holder
+        self._event: Any = None  # torch.cuda.Event recorded by the last holder
+
+    def __enter__(self) -> _TableLock:
+        self._lock.acquire()
+        self._depth += 1
+        if self._cuda and self._depth == 1 and self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._cuda and self._depth == 1:
+                event = torch.cuda.Event()
+                event.record()  # on this holder's current stream
+                self._event = event
+        finally:
+            self._depth -= 1
+            self._lock.release()
+
+
 class _Table:
     """One table's tiers, policy state and counters (guarded by ``lock``)."""
 
     def __init__(self, cfg: TableConfig, hbm_rows: int, ddr_rows: int, device: torch.device,
                  config: CacheConfig, policy: Policy) -> None:
         self.cfg = cfg
-        self.lock = threading.RLock()
+        self.lock = _TableLock(device)
         self.device = device
         self.policy = policy
         self.state_width = state_width(cfg.optimizer, cfg.dim)
@@ -281,6 +317,7 @@ class EmbeddingCache:
             self._device = config.torch_device
             self._policy = make_policy(config.policy, config.admission, config.idle_halving)
             self._worker: ThreadPoolExecutor | None = None
+            self._side_stream: Any = None  # the worker's CUDA stream (made on first use)
             self._readers: ThreadPoolExecutor | None = None  # store reads overlapped with placement
             self._reader_lock = threading.Lock()
             self._prefetches: list[PrefetchFuture] = []  # pass prefetches the next begin_pass adopts
@@ -1043,6 +1080,16 @@ class EmbeddingCache:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcache-prefetch")
             return self._worker
 
+    def _background(self) -> Any:
+        """Context for the worker's jobs: on CUDA, the cache's side stream (ordered with callers
+        by the table locks' events), not the stream the worker thread happens to have."""
+        if self._device.type != "cuda":
+            return contextlib.nullcontext()
+        with self._global_lock:
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self._device)
+        return torch.cuda.stream(self._side_stream)
+
     def _checked_keysets(self, keysets: Mapping[str, Any]) -> dict[str, Keyset]:
         if self._closed:
             raise CacheClosedError("the cache is closed")
@@ -1096,10 +1143,11 @@ class EmbeddingCache:
         def job() -> None:
             out: dict[str, dict[str, float]] = {}
             try:
-                for name, keyset in ks.items():
-                    if fut.stopping:
-                        break
-                    out[name] = self._prefetch_table(self._tables[name], keyset, fut)
+                with self._background():
+                    for name, keyset in ks.items():
+                        if fut.stopping:
+                            break
+                        out[name] = self._prefetch_table(self._tables[name], keyset, fut)
             except BaseException as exc:
                 fut._finish(error=exc)
             else:
@@ -1323,7 +1371,9 @@ class EmbeddingCache:
 
         def job() -> None:
             try:
-                fut.set_result(sum(self._write_back(t) for t in list(self._tables.values())))
+                with self._background():
+                    written = sum(self._write_back(t) for t in list(self._tables.values()))
+                fut.set_result(written)
             except BaseException as exc:
                 fut.set_exception(exc)
             finally:

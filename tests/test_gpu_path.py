@@ -18,7 +18,7 @@ from embcache.nn import CachedEmbedding, CachedEmbeddingBag, CachedEmbeddingBagC
 from embcache.optim import OptimizerParams, initial_state, torch_update
 from examples import dlrm
 
-from .fakecuda import FakeCuda, is_fake_cuda
+from .fakecuda import FakeCuda, FakeEvent, FakeStream, is_fake_cuda
 
 
 def adagrad(name: str = "t", dim: int = 8) -> TableConfig:
@@ -188,3 +188,26 @@ def test_rows_below_hbm_take_the_hot_rows_update_rule_on_cuda(fakecuda: FakeCuda
         cache.apply_gradients("t", keys, grads)
         want, state = torch_update(cfg.optimizer, params, want, state, grads)  # the hot rows' rule
     assert torch.equal(cache.lookup("t", keys).cpu(), want)
+
+
+# ---------------------------------------------------------------------- item 4: background work vs the caller's streams
+def test_background_gpu_work_is_ordered_with_the_callers_stream(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # The table lock orders when GPU work is issued, not when it runs. Before: the prefetch
+    # worker and the end-of-pass write-back issued theirs on whatever stream their thread had,
+    # unordered with a caller training on its own stream. Now background jobs run on the cache's
+    # side stream, and each lock holder's stream waits for the previous holder's last event.
+    cache: EmbeddingCache = make_cache(hbm_rows=64, ddr_rows=64, device="cuda")
+    user = torch.cuda.Stream()
+    with torch.cuda.stream(user):
+        cache.lookup("t", torch.arange(10))
+        cache.prefetch({"t": torch.arange(100, 140)}).result()
+        cache.lookup("t", torch.arange(100, 110))
+        cache.begin_pass({"t": torch.arange(100, 140)})
+        cache.apply_gradients("t", torch.arange(100, 110), torch.ones(10, 8))
+        cache.end_pass().result()
+        cache.lookup("t", torch.arange(100, 110))
+    side = {e.recorded_on for e in user.waited if isinstance(e, FakeEvent)} - {user}
+    assert len(side) == 1, user.waited  # the caller waited for background work, on one side stream
+    (stream,) = side
+    assert stream is not fakecuda.default_stream and isinstance(stream, FakeStream)
+    assert any(isinstance(e, FakeEvent) and e.recorded_on is user for e in stream.waited)  # and the other way
