@@ -377,7 +377,7 @@ class _Mode(TorchFunctionMode):
             dst, source = args[0], args[1]
             non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
             d_fake, s_fake = isinstance(dst, FakeCudaTensor), isinstance(source, FakeCudaTensor)
-            if s_fake and not d_fake:
+            if s_fake and not d_fake and source.numel() > 0:  # an empty copy moves nothing
                 self._d2h(non_blocking and st.is_pinned(dst), "copy_")
             elif d_fake and not s_fake and source.numel() > 0:
                 st.note("h2d", "copy_" + ("" if non_blocking and st.is_pinned(source) else " (pageable)"))
@@ -413,7 +413,8 @@ class _Mode(TorchFunctionMode):
             target_cuda = _is_cuda(device)
         out = data.to(dtype=dtype, copy=copy) if dtype is not None else (data.clone() if copy else data)
         if s_fake and not target_cuda:
-            self._d2h(non_blocking, "to(cpu)")
+            if data.numel() > 0:
+                self._d2h(non_blocking, "to(cpu)")
             if out is data:
                 out = data.clone()  # a real copy: the host tensor must not alias device memory
             return out
