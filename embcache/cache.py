@@ -73,7 +73,7 @@ from .optim import OptimizerParams, apply_update, initial_state, state_width
 from .policy import Clock, FrequencySketch, Policy, default_halflife, make_policy
 from .prefetch import PrefetchFuture
 from .stores import Store, open_store
-from .tier import MemoryTier, RowBatch, resident_row_bytes, to_device
+from .tier import MemoryTier, RowBatch, resident_row_bytes, to_device, to_host
 from .types import Tier, memory_tier
 
 __all__ = ["EmbeddingCache"]
@@ -624,7 +624,7 @@ class EmbeddingCache:
                           now: int) -> torch.Tensor:
         """Values (float32 [u, dim], cache device) of unique keys missing from HBM; places them."""
         t1 = time.perf_counter()
-        cpu_keys, cpu_counts = ukeys.cpu(), counts.cpu()
+        cpu_keys, cpu_counts = to_host(ukeys, counts)
         if t.pass_keyset is not None:
             t.stats.outside_keyset += int(cpu_counts[~t.pass_keyset.contains(cpu_keys)].sum())
         dslots = t.ddr.find(cpu_keys)
@@ -1034,8 +1034,8 @@ class EmbeddingCache:
         in_h = hslots >= 0
         h_idx = torch.nonzero(in_h).flatten()
         h_slots = hslots[h_idx]
-        rest_idx = torch.nonzero(~in_h).flatten().cpu()
-        rest_keys = ukeys.cpu()[rest_idx]
+        rest_idx, all_keys = to_host(torch.nonzero(~in_h).flatten(), ukeys)
+        rest_keys = all_keys[rest_idx]
         dslots = t.ddr.find(rest_keys)
         in_d = dslots >= 0
         d_idx, d_slots = rest_idx[in_d], dslots[in_d]
@@ -1062,7 +1062,8 @@ class EmbeddingCache:
                               torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int32))
         if len(staged):
             w, s = fn(staged.weights, staged.state, s_idx)
-            staged.weights, staged.state = w.to(torch.device("cpu"), t.cfg.torch_dtype), s.cpu()
+            w, s = to_host(w, s)
+            staged.weights, staged.state = w.to(t.cfg.torch_dtype), s
             staged.dirty = torch.ones(len(staged), dtype=torch.bool)
         try:
             self._place(t, torch.empty(0, dtype=torch.int64), staged)

@@ -18,7 +18,7 @@ from .hostmem import host_zeros
 from .index import make_index
 from .types import Tier
 
-__all__ = ["MemoryTier", "RowBatch", "resident_row_bytes", "to_device"]
+__all__ = ["MemoryTier", "RowBatch", "resident_row_bytes", "to_device", "to_host"]
 
 # Per-row bookkeeping besides weights and state: freq (8), last (8), key (8), occupied and
 # dirty (1 + 1), pins (4), the free-slot stack (8), the fused update's slot map (4) and the
@@ -49,6 +49,23 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on the host, those on a GPU with one host sync for all: each is copied into
+    pinned memory asynchronously, then the stream is waited for once (``.cpu()`` on each would
+    block once per tensor). Host tensors are returned as they are."""
+    if not any(t.device.type == "cuda" for t in tensors):
+        return tuple(t.cpu() for t in tensors)
+    out = []
+    for t in tensors:
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t = host
+        out.append(t)
+    torch.cuda.current_stream().synchronize()
+    return tuple(out)
+
+
 @dataclass
 class RowBatch:
     """Rows in transit between tiers: keys [n], weights [n, dim], state [n, S], freq, last, dirty, pins [n].
@@ -69,7 +86,9 @@ class RowBatch:
         return int(self.keys.shape[0])
 
     def to(self, device: torch.device) -> RowBatch:
-        """The same rows on ``device`` (to a GPU asynchronously from pinned memory, back blocking)."""
+        """The same rows on ``device`` (to a GPU asynchronously from pinned memory, back with one sync)."""
+        if device.type == "cpu":
+            return RowBatch(*to_host(*self._fields()))
         return RowBatch(*(to_device(t, device) for t in self._fields()))
 
     def select(self, index: torch.Tensor) -> RowBatch:

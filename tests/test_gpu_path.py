@@ -140,9 +140,9 @@ BUDGETS = {
     "lookup, all hit": 1,
     "lookup_many, all hit": 2,  # one per table
     "apply_gradients, all hit": 3,  # finite check, unique, all-resident check
-    "lookup, misses": 20,  # boolean masks and small host copies while placing rows
-    "apply_gradients, misses": 18,  # one more since rows below HBM are updated on the device (one rule)
-    "begin_pass": 41,  # once per pass
+    "lookup, misses": 13,  # boolean masks and small host copies while placing rows
+    "apply_gradients, misses": 10,
+    "begin_pass": 27,  # once per pass
 }
 
 
