@@ -26,6 +26,8 @@ __all__ = ["MemoryTier", "RowBatch", "resident_row_bytes", "to_device", "to_host
 _BOOKKEEPING_BYTES = 46
 # The key index: 16 bytes (key, slot) per entry, next_pow2(2 x rows) entries, i.e. 32 to 64
 # bytes per row; counted at its upper bound so that a tier never outgrows its byte budget.
+# TorchIndex (the CUDA index) sizes its buckets to stay within it too (TorchIndex.nbytes), until
+# a full stash makes it grow (adversarial keys; not seen at its load).
 _INDEX_BYTES = 64
 
 

@@ -414,3 +414,16 @@ def test_find_touch_gather_copies_found_rows_and_counts_like_find_touch(n: int, 
             assert torch.equal(out, rows[:300].float())
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("capacity", [1024, 3000, 4100, 4400, 65537, 70000, 262145])
+def test_torch_index_stays_within_the_tiers_index_budget(capacity: int) -> None:
+    # The tiers count 64 bytes of key index per row (tier.py); rounding the buckets up to a power
+    # of two took TorchIndex (the CUDA index) to ~68.5 (4100 rows: 2048 buckets of 137 bytes).
+    index = TorchIndex(capacity)
+    assert index.nbytes <= 64 * capacity
+    keys = torch.randperm(10 * capacity, generator=torch.Generator().manual_seed(capacity))[:capacity] * 7919 - 5
+    slots = torch.arange(capacity)
+    index.insert(keys, slots)  # full: at most 55% load, no growth
+    assert index.n_buckets == TorchIndex(capacity).n_buckets and index.nbytes <= 64 * capacity
+    assert torch.equal(index.find(keys), slots)
