@@ -19,7 +19,9 @@ Concurrency model. One re-entrant lock per table serializes that table's operati
 I/O included (a lookup's overlapped read runs on a reader thread but is joined before the lock
 is released); different tables proceed in parallel (torch, numba and the store bindings release
 the GIL in their heavy parts). Whole-cache operations (flush, checkpoint, close) take every
-table lock in name order. The store itself is shared and thread-safe.
+table lock in name order. The store itself is shared and thread-safe. On CUDA a table lock
+also orders the GPU work of its holders (see ``_TableLock``): background jobs run on the
+cache's own stream, and each holder's stream waits for the previous holder's last event.
 """
 
 from __future__ import annotations
