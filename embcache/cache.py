@@ -545,7 +545,12 @@ class EmbeddingCache:
         return self._keys_both(keys)[1]
 
     def _keys_both(self, keys: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The checked keys as given (host or device) and on the cache's device."""
+        """The checked keys as given (host or device) and on the cache's device.
+
+        The copy to a GPU is asynchronous; a caller's pinned buffer may be reused once the call
+        returns, as every public call synchronizes with the device after it (a lookup's hit
+        count, an update's finite check or ``unique``) before returning.
+        """
         keys = as_key_tensor(keys, self._config.max_batch_keys)
         if keys.device.type not in ("cpu", self._device.type):
             raise InvalidKeysError(f"keys are on {keys.device}; allowed: cpu or {self._device}")
