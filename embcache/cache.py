@@ -19,12 +19,15 @@ Concurrency model. One re-entrant lock per table serializes that table's operati
 I/O included (a lookup's overlapped read runs on a reader thread but is joined before the lock
 is released); different tables proceed in parallel (torch, numba and the store bindings release
 the GIL in their heavy parts). Whole-cache operations (flush, checkpoint, close) take every
-table lock in name order. The store itself is shared and thread-safe.
+table lock in name order. The store itself is shared and thread-safe. On CUDA a table lock
+also orders the GPU work of its holders (see ``_TableLock``): background jobs run on the
+cache's own stream, and each holder's stream waits for the previous holder's last event.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -72,7 +75,7 @@ from .optim import OptimizerParams, apply_update, initial_state, state_width
 from .policy import Clock, FrequencySketch, Policy, default_halflife, make_policy
 from .prefetch import PrefetchFuture
 from .stores import Store, open_store
-from .tier import MemoryTier, RowBatch, resident_row_bytes
+from .tier import MemoryTier, RowBatch, resident_row_bytes, to_device, to_host
 from .types import Tier, memory_tier
 
 __all__ = ["EmbeddingCache"]
@@ -169,13 +172,48 @@ class _TableStats:
     ssd: _SsdStats = field(default_factory=_SsdStats)
 
 
+class _TableLock:
+    """A table's re-entrant lock, ordered on the GPU as well as on the host.
+
+    The lock orders when GPU work is issued, not when it runs: the background worker (prefetch,
+    end-of-pass write-back, on the cache's side stream) and a caller training on a stream of its
+    own would otherwise run their kernels on the same rows in any order. On CUDA the outermost
+    holder's current stream waits (on the device: no host sync) for an event recorded on the
+    previous holder's stream when it left, and records one when it leaves. On the CPU it is a
+    plain ``threading.RLock``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._lock = threading.RLock()
+        self._cuda = device.type == "cuda"
+        self._depth = 0  # changed only by the holder
+        self._event: Any = None  # torch.cuda.Event recorded by the last holder
+
+    def __enter__(self) -> _TableLock:
+        self._lock.acquire()
+        self._depth += 1
+        if self._cuda and self._depth == 1 and self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._cuda and self._depth == 1:
+                event = torch.cuda.Event()
+                event.record()  # on this holder's current stream
+                self._event = event
+        finally:
+            self._depth -= 1
+            self._lock.release()
+
+
 class _Table:
     """One table's tiers, policy state and counters (guarded by ``lock``)."""
 
     def __init__(self, cfg: TableConfig, hbm_rows: int, ddr_rows: int, device: torch.device,
                  config: CacheConfig, policy: Policy) -> None:
         self.cfg = cfg
-        self.lock = threading.RLock()
+        self.lock = _TableLock(device)
         self.device = device
         self.policy = policy
         self.state_width = state_width(cfg.optimizer, cfg.dim)
@@ -192,8 +230,15 @@ class _Table:
         self.record_bytes = self.weight_bytes + 4 * self.state_width
         self.params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
                                       weight_decay=cfg.weight_decay)
+        # Eviction sampling draws from seeded generators of its own, one per device (a CUDA
+        # cache's DDR tier is on the host): never from torch's global generators, which are
+        # unseeded here and are the user's random stream.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(cfg.seed & 0x7FFFFFFF)
+        self.host_generator = self.generator
+        if device.type != "cpu":
+            self.host_generator = torch.Generator()
+            self.host_generator.manual_seed(cfg.seed & 0x7FFFFFFF)
         # victims each tier gave up in its last admission (the first guess of the next; see _admit)
         self.last_swaps: dict[Tier, int] = {}
         self.stats = _TableStats()
@@ -274,6 +319,7 @@ class EmbeddingCache:
             self._device = config.torch_device
             self._policy = make_policy(config.policy, config.admission, config.idle_halving)
             self._worker: ThreadPoolExecutor | None = None
+            self._side_stream: Any = None  # the worker's CUDA stream (made on first use)
             self._readers: ThreadPoolExecutor | None = None  # store reads overlapped with placement
             self._reader_lock = threading.Lock()
             self._prefetches: list[PrefetchFuture] = []  # pass prefetches the next begin_pass adopts
@@ -496,10 +542,19 @@ class EmbeddingCache:
             raise UnknownTableError(f"unknown table {name!r}; tables: {sorted(self._tables)}") from None
 
     def _keys(self, keys: Any) -> torch.Tensor:
+        return self._keys_both(keys)[1]
+
+    def _keys_both(self, keys: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checked keys as given (host or device) and on the cache's device.
+
+        The copy to a GPU is asynchronous; a caller's pinned buffer may be reused once the call
+        returns, as every public call synchronizes with the device after it (a lookup's hit
+        count, an update's finite check or ``unique``) before returning.
+        """
         keys = as_key_tensor(keys, self._config.max_batch_keys)
         if keys.device.type not in ("cpu", self._device.type):
             raise InvalidKeysError(f"keys are on {keys.device}; allowed: cpu or {self._device}")
-        return keys.to(self._device)
+        return keys, to_device(keys, self._device)
 
     def _rows_arg(self, what: str, values: Any, n: int, dim: int,
                   err: type[InvalidGradientError] | type[InvalidRowsError]) -> torch.Tensor:
@@ -514,7 +569,7 @@ class EmbeddingCache:
             raise err(f"{what} must have shape [{n}, {dim}] (one row per key, dim {dim}), got {tuple(values.shape)}")
         if values.device.type not in ("cpu", self._device.type):
             raise err(f"{what} are on {values.device}; allowed: cpu or {self._device}")
-        return values.to(self._device, torch.float32)
+        return to_device(values.to(torch.float32), self._device)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, table: str, keys: Any, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -531,7 +586,7 @@ class EmbeddingCache:
             StoreError (the store failed; nothing changed).
         """
         t = self._table(table)
-        keys = self._keys(keys)
+        given, keys = self._keys_both(keys)
         n, dim = keys.numel(), t.cfg.dim
         if out is None:
             out = torch.empty(n, dim, dtype=torch.float32, device=self._device)
@@ -555,7 +610,7 @@ class EmbeddingCache:
             t.stats.lookups += n
             t.stats.hbm.hits += n_hit
             if t.mrc is not None:
-                t.mrc.observe(keys)
+                t.mrc.observe(given)  # host keys when the caller gave them: no copy back from the GPU
             self._advance_clock(t, n)
         return out
 
@@ -576,12 +631,12 @@ class EmbeddingCache:
                           now: int) -> torch.Tensor:
         """Values (float32 [u, dim], cache device) of unique keys missing from HBM; places them."""
         t1 = time.perf_counter()
-        cpu_keys, cpu_counts = ukeys.cpu(), counts.cpu()
+        cpu_keys, cpu_counts = to_host(ukeys, counts)
         if t.pass_keyset is not None:
             t.stats.outside_keyset += int(cpu_counts[~t.pass_keyset.contains(cpu_keys)].sum())
         dslots = t.ddr.find(cpu_keys)
         in_ddr = dslots >= 0
-        values = torch.empty(ukeys.numel(), t.cfg.dim, dtype=torch.float32)
+        values = torch.empty(ukeys.numel(), t.cfg.dim, dtype=torch.float32, pin_memory=self._device.type == "cuda")
         d_hits = 0  # counted once the lookup cannot fail any more (a failed one counts no hits)
         d_pos = torch.nonzero(in_ddr).flatten()
         d_slots = dslots.index_select(0, d_pos)
@@ -629,7 +684,7 @@ class EmbeddingCache:
                 warnings.warn(f"embcache: table {t.cfg.name!r}: rows could not be cached: {failed}", stacklevel=3)
         values.index_copy_(0, s_pos, staged.weights.to(torch.float32))
         t.stats.ddr.hits += d_hits
-        return values.to(self._device)
+        return to_device(values, self._device)
 
     def _reader_pool(self) -> ThreadPoolExecutor:
         with self._reader_lock:
@@ -779,7 +834,7 @@ class EmbeddingCache:
             k = min(want, max(_MIN_VICTIMS, 2 * t.last_swaps.get(tier.tier, want))) if t.policy.admission else want
             while True:
                 victims, vscores = tier.lowest(k, t.scores_of(tier), self._config.eviction_sample, exclude,
-                                               t.generator if tier.device == t.device else None)
+                                               t.generator if tier.device == t.device else t.host_generator)
                 m = victims.numel()
                 if t.policy.admission and m:
                     # candidates descend and victims ascend, so the winners form a prefix
@@ -917,8 +972,12 @@ class EmbeddingCache:
                 hbm.dirty.index_fill_(0, hslots, True)
             else:
                 def update(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                    g = gsum[index.to(gsum.device)].to(weights.device)
-                    return apply_update(t.cfg.optimizer, t.params, weights.to(torch.float32), state, g)
+                    # One rule for every tier: rows of DDR and from the store are updated where
+                    # HBM's are (on a GPU: its torch ops, not the CPU kernel, which rounds
+                    # differently), so a row's next value never depends on its tier.
+                    dev = gsum.device
+                    return apply_update(t.cfg.optimizer, t.params, to_device(weights.to(torch.float32), dev),
+                                        to_device(state, dev), gsum[to_device(index, dev)])
 
                 self._modify(t, ukeys, update, hslots=hslots)
             t.stats.updates += keys.numel()
@@ -963,7 +1022,7 @@ class EmbeddingCache:
         def overwrite(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
             init = initial_state(t.cfg.optimizer, t.cfg.dim, index.numel(), state.device,
                                  t.cfg.initial_accumulator_value)
-            return new_rows[index.to(new_rows.device)].to(weights.device), init
+            return new_rows[to_device(index, new_rows.device)].to(weights.device), init
 
         with t.lock:
             self._table(table)
@@ -982,8 +1041,8 @@ class EmbeddingCache:
         in_h = hslots >= 0
         h_idx = torch.nonzero(in_h).flatten()
         h_slots = hslots[h_idx]
-        rest_idx = torch.nonzero(~in_h).flatten().cpu()
-        rest_keys = ukeys.cpu()[rest_idx]
+        rest_idx, all_keys = to_host(torch.nonzero(~in_h).flatten(), ukeys)
+        rest_keys = all_keys[rest_idx]
         dslots = t.ddr.find(rest_keys)
         in_d = dslots >= 0
         d_idx, d_slots = rest_idx[in_d], dslots[in_d]
@@ -1010,7 +1069,8 @@ class EmbeddingCache:
                               torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int32))
         if len(staged):
             w, s = fn(staged.weights, staged.state, s_idx)
-            staged.weights, staged.state = w.to(torch.device("cpu"), t.cfg.torch_dtype), s.cpu()
+            w, s = to_host(w, s)
+            staged.weights, staged.state = w.to(t.cfg.torch_dtype), s
             staged.dirty = torch.ones(len(staged), dtype=torch.bool)
         try:
             self._place(t, torch.empty(0, dtype=torch.int64), staged)
@@ -1027,6 +1087,16 @@ class EmbeddingCache:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcache-prefetch")
             return self._worker
+
+    def _background(self) -> Any:
+        """Context for the worker's jobs: on CUDA, the cache's side stream (ordered with callers
+        by the table locks' events), not the stream the worker thread happens to have."""
+        if self._device.type != "cuda":
+            return contextlib.nullcontext()
+        with self._global_lock:
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self._device)
+        return torch.cuda.stream(self._side_stream)
 
     def _checked_keysets(self, keysets: Mapping[str, Any]) -> dict[str, Keyset]:
         if self._closed:
@@ -1081,10 +1151,11 @@ class EmbeddingCache:
         def job() -> None:
             out: dict[str, dict[str, float]] = {}
             try:
-                for name, keyset in ks.items():
-                    if fut.stopping:
-                        break
-                    out[name] = self._prefetch_table(self._tables[name], keyset, fut)
+                with self._background():
+                    for name, keyset in ks.items():
+                        if fut.stopping:
+                            break
+                        out[name] = self._prefetch_table(self._tables[name], keyset, fut)
             except BaseException as exc:
                 fut._finish(error=exc)
             else:
@@ -1308,7 +1379,9 @@ class EmbeddingCache:
 
         def job() -> None:
             try:
-                fut.set_result(sum(self._write_back(t) for t in list(self._tables.values())))
+                with self._background():
+                    written = sum(self._write_back(t) for t in list(self._tables.values()))
+                fut.set_result(written)
             except BaseException as exc:
                 fut.set_exception(exc)
             finally:
@@ -1352,8 +1425,8 @@ class EmbeddingCache:
             return scores
         ckeys = keys.cpu()
         pos = torch.searchsorted(wanted.keys, ckeys).clamp_(max=len(wanted) - 1)
-        member = (wanted.keys[pos] == ckeys).to(scores.device)
-        boost = (_WANTED_SCORE + wanted.counts[pos].to(torch.float64) * _WANTED_STEP).to(scores.device)
+        member = to_device(wanted.keys[pos] == ckeys, scores.device)
+        boost = to_device(_WANTED_SCORE + wanted.counts[pos].to(torch.float64) * _WANTED_STEP, scores.device)
         return torch.where(member, boost, scores)
 
     def _boosted_scores_of(self, t: _Table, tier: MemoryTier, wanted: Keyset | None) -> Any:

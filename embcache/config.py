@@ -162,7 +162,8 @@ class CacheConfig:
         store: "rocksdb" (default) or "lmdb".
         device: device of the hot tier; None = "cuda" when available, else "cpu".
         policy: "lrfu" (default: exponentially aged frequency, i.e. LFU with recency),
-            "lfu" (plain counts), "lru", or a callable ``fn(freq, last, now) -> score``.
+            "lfu" (plain counts), "lru", or a callable ``fn(freq, last, now) -> score`` (a tensor
+            on any device: it is moved to the tier's).
         halflife: accesses after which a past access counts half (policy "lrfu"); None =
             40x the table's rows in memory (tuned on bench/bench_policy.py workloads).
         idle_halving: policy "lrfu": a row's score halves for every ``idle_halving`` accesses it

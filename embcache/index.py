@@ -26,7 +26,8 @@ prefetches its row and counters, and counts and copies a still earlier one, all 
 
 :class:`TorchIndex` (any device, the CUDA path; also the CPU fallback without numba): bucketed
 two-choice hashing. ``nb`` buckets (a power of two) of ``B = 8`` entries, ``keys`` and ``slots``
-each an ``int64 [nb, B]`` tensor, sized for <= 50% load. Key ``k`` may live in bucket
+each an ``int64 [nb, B]`` tensor, sized for <= 50% load (<= 55% where a power of two of buckets
+at 50% would pass the tiers' 64 bytes of index per row). Key ``k`` may live in bucket
 ``h1 = mix64(k) mod nb`` or ``h2 = (mix64(k) >> 32) mod nb``:
 
 - Inserts fill ``h1`` first and use ``h2`` only when ``h1`` is full, so ~98% of keys sit in
@@ -178,6 +179,16 @@ class KeyIndex(abc.ABC):
             (slots int64 [n], -1 where absent; how many keys were found).
         """
         slots = self.find(keys)
+        if self.device.type != "cpu":
+            # On a GPU: no nonzero (a host sync to size its output); the count is the one sync
+            # (the caller must know whether anything missed). Misses add 0 to slot 0's frequency
+            # and leave its ``last`` as it was (amax with int64 min; ``now`` never goes back).
+            found = slots >= 0
+            at = slots.clamp(min=0)
+            freq.index_add_(0, at, found.to(freq.dtype) * inc)
+            stamp = torch.where(found, now, torch.iinfo(torch.int64).min).to(last.dtype)
+            last.scatter_reduce_(0, at, stamp, reduce="amax")
+            return slots, int(found.sum())
         hit = torch.nonzero(slots >= 0).flatten()
         if hit.numel():
             hs = slots.index_select(0, hit)
@@ -266,12 +277,28 @@ class TorchIndex(KeyIndex):
         self.bucket_width = int(bucket_width)
         # First column of each 8-column word of a match row of up to two buckets.
         self._word_base = torch.arange(0, 2 * bucket_width, 8, dtype=torch.int64, device=self.device)
-        # <= 50% load at capacity; >= 2 buckets so that every bucket has a filler key (below).
-        self._nb0 = max(2, _next_pow2(-(-2 * self.capacity // self.bucket_width)))
         # Keys whose two buckets are both full wait here (a few per million at 50% load) rather
         # than doubling the table; only a full stash forces growth.
         self.stash_capacity = max(64, self.capacity // 256)
+        # <= 50% load at capacity; >= 2 buckets so that every bucket has a filler key (below).
+        nb = max(2, _next_pow2(-(-2 * self.capacity // self.bucket_width)))
+        # The tiers count 64 bytes of index per row (tier.py). Where rounding up to a power of two
+        # would pass that (up to ~68.5 bytes), take half the buckets: a load of 50-55%, where
+        # two-choice buckets of 8 still stash about one key in a thousand.
+        if nb > 2 and self._bytes(nb) > 64 * self.capacity and self.capacity <= 0.55 * (nb // 2) * self.bucket_width:
+            nb //= 2
+        self._nb0 = nb
         self._alloc(self._nb0)
+
+    def _bytes(self, nb: int) -> int:
+        """Bytes of the table at ``nb`` buckets with a full stash: keys and slots (16 per entry),
+        a filler key (8) and a stash mark (1) per bucket, 16 per stash entry."""
+        return nb * (16 * self.bucket_width + 9) + 16 * self.stash_capacity + 8 * self._word_base.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the index holds now, its stash counted full (it grows only past a full stash)."""
+        return self._bytes(self._nb)
 
     def _alloc(self, nb: int) -> None:
         self._nb = nb

@@ -73,14 +73,20 @@ class Keyset:
     """Unique keys of one table with access counts.
 
     Args:
-        keys: int64 [n], unique, ascending (CPU).
-        counts: int64 [n], >= 1, accesses of each key in the pass.
+        keys: int64 [n], unique, ascending; moved to the host if given on another device.
+        counts: int64 [n], >= 1, accesses of each key in the pass; moved to the host likewise.
     """
 
     keys: torch.Tensor
     counts: torch.Tensor
 
     def __post_init__(self) -> None:
+        # A keyset is host data (the store and the pinning code read it there); keys built on a
+        # GPU would mix devices in contains() on every lookup and fail .numpy() in prefetch.
+        for name in ("keys", "counts"):
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                object.__setattr__(self, name, value.cpu())
         if self.keys.dtype != torch.int64 or self.keys.dim() != 1:
             raise InvalidKeysError(f"keyset keys must be int64 [n], got {self.keys.dtype} {tuple(self.keys.shape)}")
         if self.counts.shape != self.keys.shape:

@@ -140,7 +140,7 @@ class MissRatioEstimator:
         self._seen = 0.0
         self._expected = 0.0
         self._cond = threading.Condition()
-        self._pending: deque[np.ndarray] = deque()  # looked-up keys, not yet sampled
+        self._pending: deque[np.ndarray | _DeviceKeys] = deque()  # looked-up keys, not yet sampled
         self._pending_keys = 0
         self._thread: threading.Thread | None = None
         self._busy = False
@@ -155,17 +155,23 @@ class MissRatioEstimator:
         hash per key) and the shadows run on a background thread, off the lookup's path. When
         that thread falls more than ``_MAX_PENDING`` batches or ``_MAX_PENDING_KEYS`` keys
         behind, a batch is dropped whole (counted in ``dropped_batches``), which keeps the
-        estimate unbiased.
+        estimate unbiased. Keys on a GPU are copied to pinned host memory asynchronously; the
+        background thread waits for the copy, so the caller does not synchronize with the device.
         """
-        k = np.array((keys if keys.device.type == "cpu" else keys.cpu()).numpy(), dtype=np.int64).reshape(-1)
+        k: np.ndarray | _DeviceKeys
+        if keys.device.type == "cpu":
+            k = np.array(keys.numpy(), dtype=np.int64).reshape(-1)
+        else:
+            k = _DeviceKeys(keys)
+        n = int(k.shape[0])
         with self._cond:
             if self._closed:
                 return
-            if len(self._pending) >= _MAX_PENDING or self._pending_keys + k.shape[0] > _MAX_PENDING_KEYS:
+            if len(self._pending) >= _MAX_PENDING or self._pending_keys + n > _MAX_PENDING_KEYS:
                 self.dropped_batches += 1
                 return
             self._pending.append(k)
-            self._pending_keys += k.shape[0]
+            self._pending_keys += n
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="embcache-mrc", daemon=True)
                 self._thread.start()
@@ -193,7 +199,8 @@ class MissRatioEstimator:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _process(self, looked_up: list[np.ndarray]) -> None:
+    def _process(self, pending: list[np.ndarray | _DeviceKeys]) -> None:
+        looked_up = [k.numpy() if isinstance(k, _DeviceKeys) else k for k in pending]
         if self.rate < 1.0:
             batches = [(_sample(k, self._threshold), k.shape[0]) for k in looked_up]
         else:
@@ -246,6 +253,21 @@ class MissRatioEstimator:
                 else:
                     out[tier][_label(f)] = math.nan
             return out
+
+
+class _DeviceKeys:
+    """A batch of GPU keys on its way to pinned host memory (``numpy()`` waits for the copy)."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.host = torch.empty(keys.numel(), dtype=torch.int64, pin_memory=True)
+        self.host.copy_(keys.reshape(-1), non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()  # on the caller's current stream, after the copy
+        self.shape = (keys.numel(),)
+
+    def numpy(self) -> np.ndarray:
+        self.event.synchronize()  # on the sampler's thread, not the caller's
+        return self.host.numpy()
 
 
 def _label(factor: float) -> str:

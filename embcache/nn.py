@@ -31,8 +31,12 @@ Updates happen only when the module is in training mode and gradients are enable
 happen (and count in the cache's statistics), the outputs do not require grad, and nothing is
 applied.
 
-Devices. Rows come back on ``cache.device``; keys are uniqued and bags pooled there, and each
-output is moved to its input's device.
+Devices. Rows come back on ``cache.device``; keys are uniqued and bags pooled there. Outputs
+are on the device where the model computes: the module's ``device`` argument when given, else
+``cache.device`` (TorchRec's rule: a collection returns on the module's device, wherever its
+input was). Inputs may be on the host or on that device: a data loader's host tensors need no
+copy. A remote ``embcache.Client`` returns rows on the CPU, so a module over one that feeds a
+CUDA model takes ``device="cuda"``. Gradients flow back across the copy to the cache.
 
 Copies. ``copy.deepcopy`` of a module (or of a model holding one) shares the cache, so the copy
 reads and trains the same table; ``module.to(device)`` changes nothing (there is nothing to move).
@@ -184,12 +188,12 @@ class _Bags:
     keys: torch.Tensor  # int64 [n]: the keys of all bags (keys in no bag dropped)
     offsets: torch.Tensor  # int64 [B + 1]: bag b is keys[offsets[b]:offsets[b + 1]]; offsets[B] == n
     weights: torch.Tensor | None  # float32 [n] per-sample weights
-    out_device: torch.device  # the input's device, where the output goes
+    out_device: torch.device  # where the output goes (the module's device, see the module docstring)
     single: bool = False  # every bag holds exactly one key (a [B, 1] input)
 
 
 def _canonical_bags(input: Any, offsets: Any, per_sample_weights: Any, include_last_offset: bool, mode: str,
-                    device: torch.device, prefix: str = "") -> _Bags:
+                    device: torch.device, out_device: torch.device, prefix: str = "") -> _Bags:
     """Validate a bag batch as torch.nn.EmbeddingBag would and bring it to canonical form.
 
     Args:
@@ -199,6 +203,7 @@ def _canonical_bags(input: Any, offsets: Any, per_sample_weights: Any, include_l
         include_last_offset: ``offsets`` ends with the end of the last bag (torch's meaning).
         mode: one of MODES.
         device: the cache's device.
+        out_device: where the pooled output goes.
         prefix: put before error messages (a feature's name).
 
     Raises:
@@ -262,7 +267,7 @@ def _canonical_bags(input: Any, offsets: Any, per_sample_weights: Any, include_l
         raise InvalidKeysError(f"{prefix}input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
     if weights is not None:
         weights = weights.to(device, torch.float32)
-    return _Bags(keys, canon, weights, input.device, single=input.dim() == 2 and input.shape[1] == 1)
+    return _Bags(keys, canon, weights, out_device, single=input.dim() == 2 and input.shape[1] == 1)
 
 
 def _unique(keys: torch.Tensor, padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,7 +294,7 @@ def _with_padding_row(rows: torch.Tensor, padding_idx: int | None) -> tuple[torc
 
 def _pool(bags: _Bags, inverse: torch.Tensor, rows: torch.Tensor, mode: str,
           padding_idx: int | None = None) -> torch.Tensor:
-    """Pool the looked-up rows into bags with torch's own embedding_bag; on the input's device.
+    """Pool the looked-up rows into bags with torch's own embedding_bag; on ``bags.out_device``.
 
     Bags of one key each (one categorical value per feature, as in DLRM) pool to the key's row
     (times its weight) in every mode: a gather, whose backward is one ``index_add_``, where
@@ -398,6 +403,21 @@ class _CacheModule(nn.Module):
     """Base of the modules: holds the cache, which copies of the module share."""
 
     cache: CacheLike
+    out_device: torch.device | None  # the ``device`` argument (None: the cache's device)
+
+    def _init_device(self, device: torch.device | str | None) -> None:
+        try:
+            self.out_device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device={device!r} is not a torch device") from exc
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where outputs go: the ``device`` argument, else the cache's device."""
+        return self.out_device if self.out_device is not None else self.cache.device
+
+    def _device_repr(self) -> str:
+        return f", device={str(self.out_device)!r}" if self.out_device is not None else ""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CacheModule:
         # The table lives in the cache, and a cache (locks, an open store) cannot be copied:
@@ -413,30 +433,33 @@ class CachedEmbedding(_CacheModule):
     """Like ``torch.nn.Embedding``, with the table in an embedding cache (see the module docstring).
 
     ``forward(input)`` takes an int64/int32 tensor of keys of any shape and returns float32
-    ``input.shape + (dim,)`` on the input's device.
+    ``input.shape + (dim,)`` on :attr:`output_device` (``device``, else the cache's device).
 
     Args:
         cache: an :class:`~embcache.EmbeddingCache` or ``embcache.Client`` (anything :class:`CacheLike`).
         table: the table's name.
         padding_idx: a key whose output is a zero row and which is never looked up or updated;
             None (default) for none.
+        device: where outputs go (the model's device); None (default): the cache's device.
 
     Raises:
         UnknownTableError: the cache has no table ``table``.
-        ConfigError: ``padding_idx`` is not None or an int64.
+        ConfigError: ``padding_idx`` is not None or an int64; ``device`` is not a device.
         TypeError: ``cache`` lacks the cache methods.
     """
 
-    def __init__(self, cache: CacheLike, table: str, padding_idx: int | None = None) -> None:
+    def __init__(self, cache: CacheLike, table: str, padding_idx: int | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         _check_cache(cache)
         self.cache = cache
         self.table = table
         self.embedding_dim = _table_config(cache, table).dim
         self.padding_idx = _check_padding_idx(padding_idx)
+        self._init_device(device)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        """Rows of ``input``'s keys: float32 ``input.shape + (dim,)`` on the input's device.
+        """Rows of ``input``'s keys: float32 ``input.shape + (dim,)`` on :attr:`output_device`.
 
         Args:
             input: int64 or int32 keys, any shape (any int64 value is a key).
@@ -453,12 +476,12 @@ class CachedEmbedding(_CacheModule):
         (rows,) = _rows(fetch, self.training and torch.is_grad_enabled())
         weight, pad = _with_padding_row(rows, self.padding_idx)
         out = F.embedding(inverse, weight, padding_idx=pad)
-        return out.reshape(*input.shape, self.embedding_dim).to(input.device)
+        return out.reshape(*input.shape, self.embedding_dim).to(self.output_device)
 
     def extra_repr(self) -> str:
         """The table, its dimension and the padding key."""
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
-        return f"table={self.table!r}, embedding_dim={self.embedding_dim}{pad}"
+        return f"table={self.table!r}, embedding_dim={self.embedding_dim}{pad}{self._device_repr()}"
 
 
 class CachedEmbeddingBag(_CacheModule):
@@ -466,7 +489,7 @@ class CachedEmbeddingBag(_CacheModule):
 
     ``forward(input, offsets=None, per_sample_weights=None)`` accepts what torch's does (1-D
     input with offsets, 2-D input of fixed-size bags, ``include_last_offset``, per-sample weights
-    in mode "sum", empty bags giving zeros) and returns float32 [B, dim] on the input's device,
+    in mode "sum", empty bags giving zeros) and returns float32 [B, dim] on :attr:`output_device`,
     equal to torch's output for a table holding the cache's rows. The batch's keys are uniqued
     once, looked up with one ``cache.lookup``, pooled by ``torch.nn.functional.embedding_bag``
     and, in backward, updated with one ``cache.apply_gradients``.
@@ -479,15 +502,16 @@ class CachedEmbeddingBag(_CacheModule):
             (torch's meaning); keys after it are ignored. Default False.
         padding_idx: a key excluded from every bag (and from "mean"'s count), never looked up or
             updated; None (default) for none. Unlike torch, a negative value is a key too.
+        device: where outputs go (the model's device); None (default): the cache's device.
 
     Raises:
         UnknownTableError: the cache has no table ``table``.
-        ConfigError: ``mode`` or ``padding_idx`` is not allowed.
+        ConfigError: ``mode``, ``padding_idx`` or ``device`` is not allowed.
         TypeError: ``cache`` lacks the cache methods.
     """
 
     def __init__(self, cache: CacheLike, table: str, mode: str = "mean", include_last_offset: bool = False,
-                 padding_idx: int | None = None) -> None:
+                 padding_idx: int | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         _check_cache(cache)
         self.cache = cache
@@ -496,10 +520,11 @@ class CachedEmbeddingBag(_CacheModule):
         self.mode = _check_mode(mode)
         self.include_last_offset = bool(include_last_offset)
         self.padding_idx = _check_padding_idx(padding_idx)
+        self._init_device(device)
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Pooled rows of each bag: float32 [B, dim] on the input's device.
+        """Pooled rows of each bag: float32 [B, dim] on :attr:`output_device`.
 
         Args:
             input: int64/int32 keys: [n] with ``offsets``, or [B, L] (B bags of L keys) without.
@@ -513,7 +538,7 @@ class CachedEmbeddingBag(_CacheModule):
             The errors of the cache's ``lookup`` (nothing changed).
         """
         bags = _canonical_bags(input, offsets, per_sample_weights, self.include_last_offset, self.mode,
-                               self.cache.device)
+                               self.cache.device, self.output_device)
         ukeys, inverse = _unique(bags.keys, self.padding_idx)
         fetch = _Fetch(self.cache, {self.table: ukeys}, {self.table: self.embedding_dim}, many=False)
         (rows,) = _rows(fetch, self.training and torch.is_grad_enabled())
@@ -526,7 +551,7 @@ class CachedEmbeddingBag(_CacheModule):
             s += ", include_last_offset=True"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
-        return s
+        return s + self._device_repr()
 
 
 class CachedEmbeddingBagCollection(_CacheModule):
@@ -535,8 +560,9 @@ class CachedEmbeddingBagCollection(_CacheModule):
     ``forward({feature: input})`` takes, per feature, a 2-D tensor of fixed-size bags,
     ``(input, offsets)`` or ``(input, offsets, per_sample_weights)`` (as
     :meth:`CachedEmbeddingBag.forward`), and returns ``{feature: float32 [B_f, dim]}`` in the
-    order of ``features``. The keys of all features on one table are merged and uniqued once;
-    all tables are looked up with one ``cache.lookup_many`` and, in backward, updated with one
+    order of ``features``, on :attr:`output_device` (``device``, else the cache's device). The
+    keys of all features on one table are merged and uniqued once; all tables are looked up
+    with one ``cache.lookup_many`` and, in backward, updated with one
     ``cache.apply_gradients_many``. Features sharing a table thus get one optimizer step with
     their summed gradient, as torch gives one ``nn.EmbeddingBag`` used for several inputs.
 
@@ -546,16 +572,17 @@ class CachedEmbeddingBagCollection(_CacheModule):
             sequence of names that are both feature and table.
         mode: "sum" (default, as torchrec), "mean" or "max", for every feature.
         include_last_offset: every feature's offsets end with the end of its last bag. Default False.
+        device: where outputs go (the model's device); None (default): the cache's device.
 
     Raises:
         UnknownTableError: a table is not in the cache.
         ConfigError: ``features`` is empty, repeats a name or is not a mapping of str to str;
-            ``mode`` is not allowed.
+            ``mode`` or ``device`` is not allowed.
         TypeError: ``cache`` lacks the cache methods.
     """
 
     def __init__(self, cache: CacheLike, features: Mapping[str, str] | Sequence[str], mode: str = "sum",
-                 include_last_offset: bool = False) -> None:
+                 include_last_offset: bool = False, device: torch.device | str | None = None) -> None:
         super().__init__()
         _check_cache(cache)
         if isinstance(features, Mapping):
@@ -576,11 +603,12 @@ class CachedEmbeddingBagCollection(_CacheModule):
         self.features: dict[str, str] = mapping
         self.mode = _check_mode(mode)
         self.include_last_offset = bool(include_last_offset)
+        self._init_device(device)
         self.table_dims = {t: _table_config(cache, t).dim for t in dict.fromkeys(mapping.values())}
         self.embedding_dims = {f: self.table_dims[t] for f, t in mapping.items()}
 
     def forward(self, batch: Mapping[str, FeatureInput]) -> dict[str, torch.Tensor]:
-        """Pooled rows of each feature's bags: ``{feature: float32 [B_f, dim]}`` on its input's device.
+        """Pooled rows of each feature's bags: ``{feature: float32 [B_f, dim]}`` on :attr:`output_device`.
 
         Args:
             batch: every configured feature (and no other) -> a 2-D input, ``(input, offsets)`` or
@@ -600,7 +628,7 @@ class CachedEmbeddingBagCollection(_CacheModule):
                                    f"missing {missing}, unknown {unknown}")
         device = self.cache.device
         bags = {f: _canonical_bags(*_unpack(f, batch[f]), self.include_last_offset, self.mode, device,
-                                   prefix=f"feature {f!r}: ")
+                                   self.output_device, prefix=f"feature {f!r}: ")
                 for f in self.features}
         ukeys: dict[str, torch.Tensor] = {}
         inverses: dict[str, torch.Tensor] = {}
@@ -615,7 +643,7 @@ class CachedEmbeddingBagCollection(_CacheModule):
 
     def extra_repr(self) -> str:
         """The features, their tables and the pooling mode."""
-        return f"features={self.features!r}, mode={self.mode!r}"
+        return f"features={self.features!r}, mode={self.mode!r}{self._device_repr()}"
 
 
 def _unpack(feature: str, value: Any) -> tuple[Any, Any, Any]:

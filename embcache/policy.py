@@ -141,7 +141,7 @@ def make_policy(spec: str | ScoreFn, admission: bool, idle_halving: float = DEFA
             out = user(freq, last, clock.now)
             if not isinstance(out, torch.Tensor) or out.shape != freq.shape:
                 raise TypeError(f"user score function must return a tensor of shape {tuple(freq.shape)}")
-            return out.to(torch.float64)
+            return out.to(freq.device, torch.float64)  # a host result serves a GPU tier too
 
         return Policy("custom", _score_user, admission, aging=True)
     table = {

@@ -18,7 +18,7 @@ from .hostmem import host_zeros
 from .index import make_index
 from .types import Tier
 
-__all__ = ["MemoryTier", "RowBatch", "resident_row_bytes"]
+__all__ = ["MemoryTier", "RowBatch", "resident_row_bytes", "to_device", "to_host"]
 
 # Per-row bookkeeping besides weights and state: freq (8), last (8), key (8), occupied and
 # dirty (1 + 1), pins (4), the free-slot stack (8), the fused update's slot map (4) and the
@@ -26,6 +26,8 @@ __all__ = ["MemoryTier", "RowBatch", "resident_row_bytes"]
 _BOOKKEEPING_BYTES = 46
 # The key index: 16 bytes (key, slot) per entry, next_pow2(2 x rows) entries, i.e. 32 to 64
 # bytes per row; counted at its upper bound so that a tier never outgrows its byte budget.
+# TorchIndex (the CUDA index) sizes its buckets to stay within it too (TorchIndex.nbytes), until
+# a full stash makes it grow (adversarial keys; not seen at its load).
 _INDEX_BYTES = 64
 
 
@@ -36,6 +38,34 @@ def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
     everything it allocates counted, stays within the budget.
     """
     return dim * torch.empty(0, dtype=dtype).element_size() + 4 * state_width + _BOOKKEEPING_BYTES + _INDEX_BYTES
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. Host to GPU goes through pinned memory, asynchronously (the caching host
+    allocator keeps a pinned block until the copies reading it have run): a copy from pageable
+    memory runs at a fraction of the bandwidth and blocks the host. Other moves are torch's."""
+    if device.type == "cuda" and t.device.type == "cpu" and t.numel():
+        if not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+    return t.to(device)
+
+
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on the host, those on a GPU with one host sync for all: each is copied into
+    pinned memory asynchronously, then the stream is waited for once (``.cpu()`` on each would
+    block once per tensor). Host tensors are returned as they are."""
+    if not any(t.device.type == "cuda" for t in tensors):
+        return tuple(t.cpu() for t in tensors)
+    out = []
+    for t in tensors:
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t = host
+        out.append(t)
+    torch.cuda.current_stream().synchronize()
+    return tuple(out)
 
 
 @dataclass
@@ -58,8 +88,10 @@ class RowBatch:
         return int(self.keys.shape[0])
 
     def to(self, device: torch.device) -> RowBatch:
-        """The same rows on ``device``."""
-        return RowBatch(*(t.to(device, non_blocking=False) for t in self._fields()))
+        """The same rows on ``device`` (to a GPU asynchronously from pinned memory, back with one sync)."""
+        if device.type == "cpu":
+            return RowBatch(*to_host(*self._fields()))
+        return RowBatch(*(to_device(t, device) for t in self._fields()))
 
     def select(self, index: torch.Tensor) -> RowBatch:
         """Rows picked by a bool mask or an index tensor.
@@ -69,7 +101,7 @@ class RowBatch:
         """
         if index.dtype == torch.bool:
             index = torch.nonzero(index).flatten()
-        index = index.to(self.keys.device)
+        index = to_device(index, self.keys.device)
         return RowBatch(*(t.index_select(0, index) for t in self._fields()))
 
     @staticmethod
@@ -102,6 +134,7 @@ class MemoryTier:
         self.dim = dim
         self.device = device
         pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.pinned = pin
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             # The arrays that lookups and evictions read at random: on huge pages in host memory
@@ -144,14 +177,14 @@ class MemoryTier:
         """Slots (int64 [n], -1 where absent) of ``keys`` (int64 [n], any device)."""
         if self.capacity == 0:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
-        return self.index.find(keys.to(self.device))
+        return self.index.find(to_device(keys, self.device))
 
     def find_touch(self, keys: torch.Tensor, increment: float, now: int) -> tuple[torch.Tensor, int]:
         """Slots of ``keys`` (int64 [n], -1 where absent) and how many were found; each found
         occurrence counts one access of weight ``increment`` (``freq += increment``, ``last = now``), in one pass."""
         if self.capacity == 0:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device), 0
-        return self.index.find_touch(keys.to(self.device), self.freq, self.last, increment, now)
+        return self.index.find_touch(to_device(keys, self.device), self.freq, self.last, increment, now)
 
     def find_touch_gather(self, keys: torch.Tensor, increment: float, now: int,
                           out: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -159,7 +192,7 @@ class MemoryTier:
         on this tier's device; the rows of absent keys are left as they were)."""
         if self.capacity == 0:
             return self.find_touch(keys, increment, now)
-        return self.index.find_touch_gather(keys.to(self.device), self.freq, self.last, increment, now,
+        return self.index.find_touch_gather(to_device(keys, self.device), self.freq, self.last, increment, now,
                                             self.weights, out)
 
     def fused_scratch(self) -> FusedScratch:
@@ -170,12 +203,15 @@ class MemoryTier:
 
     def touch(self, slots: torch.Tensor, amounts: torch.Tensor, now: int) -> None:
         """Add ``amounts`` (float64 [n]) to the aged frequencies of ``slots`` (int64 [n], may repeat)."""
-        self.freq.index_add_(0, slots, amounts.to(self.device))
+        self.freq.index_add_(0, slots, to_device(amounts, self.device))
         self.last.index_fill_(0, slots, now)
 
     def read(self, slots: torch.Tensor) -> RowBatch:
         """Copies of the rows at ``slots`` (no change to the tier)."""
-        slots = slots.to(self.device)
+        slots = to_device(slots, self.device)
+        if self.pinned:  # gathered straight into pinned memory: the copy to the GPU needs no staging
+            return RowBatch(*(torch.index_select(t, 0, slots, out=torch.empty(
+                (slots.numel(), *t.shape[1:]), dtype=t.dtype, pin_memory=True)) for t in self._columns()))
         return RowBatch(*(t.index_select(0, slots) for t in self._columns()))
 
     def _columns(self) -> tuple[torch.Tensor, ...]:
@@ -193,9 +229,9 @@ class MemoryTier:
     # -- change --------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
         """Overwrite weights and state of resident rows and mark them dirty."""
-        slots = slots.to(self.device)
-        self.weights[slots] = weights.to(self.device, self.weights.dtype)
-        self.state[slots] = state.to(self.device)
+        slots = to_device(slots, self.device)
+        self.weights[slots] = to_device(weights.to(self.weights.dtype), self.device)
+        self.state[slots] = to_device(state, self.device)
         self.dirty[slots] = True
 
     def insert(self, rows: RowBatch) -> torch.Tensor:
@@ -222,7 +258,7 @@ class MemoryTier:
         """Free the (unique, occupied) ``slots``; their rows are gone from this tier."""
         if slots.numel() == 0:
             return
-        slots = slots.to(self.device)
+        slots = to_device(slots, self.device)
         self.index.erase(self.keys.index_select(0, slots))
         self.occupied.index_fill_(0, slots, False)
         self.dirty.index_fill_(0, slots, False)
@@ -235,7 +271,7 @@ class MemoryTier:
         """Add ``delta`` to the pin counts of ``slots`` (unique; a count never drops below 0)."""
         if slots.numel() == 0:
             return
-        slots = slots.to(self.device)
+        slots = to_device(slots, self.device)
         self.pins.index_add_(0, slots, torch.full(slots.shape, delta, dtype=torch.int32, device=self.device))
         self.pins[slots] = self.pins[slots].clamp_(min=0)
 
@@ -278,7 +314,7 @@ class MemoryTier:
         if k <= 0 or self.capacity == 0:
             return empty.to(torch.int64), empty.to(torch.float64)
         if exclude is not None:
-            exclude = exclude.to(self.device)
+            exclude = to_device(exclude, self.device)
         n_cand = sample * k
         cand = None
         if n_cand * 2 < self.capacity:

@@ -170,13 +170,14 @@ class _TimedCache:
 class CacheEmbeddings(nn.Module):
     """The 26 embedding bags served by an embedding cache (one round trip per step)."""
 
-    def __init__(self, cache: EmbeddingCache) -> None:
+    def __init__(self, cache: EmbeddingCache, device: torch.device) -> None:
         super().__init__()
         self.timed = _TimedCache(cache)
-        self.ebc = CachedEmbeddingBagCollection(self.timed, TABLES, mode="sum")
+        # outputs on the model's device (the ids stay on the host: the cache copies them once)
+        self.ebc = CachedEmbeddingBagCollection(self.timed, TABLES, mode="sum", device=device)
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
-        """Pooled rows [B, 26, dim] of sparse ids [B, 26] (one id per bag)."""
+        """Pooled rows [B, 26, dim] on the model's device of sparse ids [B, 26] (one id per bag, any device)."""
         cols = sparse.t().contiguous().unsqueeze(2)  # [26, B, 1]: each a 2-D input of one-id bags
         out = self.ebc({name: cols[i] for i, name in enumerate(TABLES)})
         return torch.stack([out[name] for name in TABLES], dim=1)
@@ -522,7 +523,7 @@ class Trainer:
             shutil.rmtree(cache_path, ignore_errors=True)  # train from scratch: the dense model starts fresh too
             self.cache = EmbeddingCache(CacheConfig(hbm_bytes=self.hbm_bytes, ddr_bytes=self.ddr_bytes,
                                                     path=cache_path, store=args.store), tables)
-            self.emb = CacheEmbeddings(self.cache)
+            self.emb = CacheEmbeddings(self.cache, self.device)
         self.passes_on = args.mode in ("cache", "cache-noprefetch")
         self.prefetch_on = args.mode == "cache"
         self.train_passes = self.ds.passes - 1

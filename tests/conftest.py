@@ -16,6 +16,8 @@ from embcache import CacheConfig, EmbeddingCache, TableConfig
 from embcache.optim import state_width
 from embcache.tier import resident_row_bytes
 
+from .fakecuda import FakeCuda, fake_cuda
+
 STORES = ["rocksdb", "lmdb"]
 
 
@@ -31,8 +33,28 @@ def row_bytes(dim: int, optimizer: str = "sgd") -> int:
 
 
 @pytest.fixture
+def fakecuda() -> Iterator[FakeCuda]:
+    """The test runs under the CUDA stand-in (tests/fakecuda.py): ``device="cuda"`` works on the CPU."""
+    with fake_cuda() as fc:
+        yield fc
+
+
+@pytest.fixture(params=["cpu", "fakecuda"])
+def device(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The cache's device: "cpu", then "cuda" under the stand-in (its GPU branches run on the CPU)."""
+    if request.param == "cpu":
+        yield "cpu"
+    else:
+        with fake_cuda():
+            yield "cuda"
+
+
+@pytest.fixture
 def make_cache(tmp_path: Any, store: str) -> Iterator[Callable[..., EmbeddingCache]]:
-    """Factory: ``make_cache(hbm_rows=, ddr_rows=, tables=, **config)`` under tmp_path; closes all at teardown."""
+    """Factory: ``make_cache(hbm_rows=, ddr_rows=, tables=, **config)`` under tmp_path; closes all at teardown.
+
+    ``device`` defaults to "cpu"; tests taking the ``device`` fixture pass it on to run both ways.
+    """
     made: list[EmbeddingCache] = []
 
     def factory(hbm_rows: int = 4, ddr_rows: int = 8, tables: list[TableConfig] | None = None,
@@ -40,8 +62,9 @@ def make_cache(tmp_path: Any, store: str) -> Iterator[Callable[..., EmbeddingCac
         tables = tables or [TableConfig(name="t", dim=8, optimizer="adagrad", lr=0.1, seed=3)]
         rb = row_bytes(tables[0].dim, tables[0].optimizer)
         n = len(tables)
+        kw.setdefault("device", "cpu")
         cfg = CacheConfig(hbm_bytes=hbm_rows * rb * n, ddr_bytes=ddr_rows * rb * n,
-                          path=path or str(tmp_path / "store"), store=store, device="cpu", **kw)
+                          path=path or str(tmp_path / "store"), store=store, **kw)
         cache = EmbeddingCache(cfg, tables)
         made.append(cache)
         return cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -42,6 +43,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXTREME = [-(2**63), 2**63 - 1, -1, 0, 1, 2**53 + 1, -(2**53) - 1, 123456789012345]
 
 
+@pytest.fixture
+def make_cache(device: str, make_cache: Any) -> Any:
+    """The caches under test, on each device: "cpu", then "cuda" under the CPU stand-in
+    (tests/fakecuda.py). ``device`` comes first, so the caches close before the stand-in goes."""
+    return functools.partial(make_cache, device=device)
+
+
+def assert_close(got: Any, want: Any, **kw: Any) -> None:
+    """torch's assert_close on the host: rows of a cache on "cuda" against host tensors."""
+    torch.testing.assert_close(got.cpu(), want.cpu(), **kw)
+
+
 def expected_init(cfg: TableConfig, keys: list[int] | torch.Tensor) -> torch.Tensor:
     keys = torch.as_tensor(keys, dtype=torch.int64)
     return init_rows(cfg.initializer, float(cfg.init_scale or 0), cfg.seed, keys, cfg.dim)
@@ -64,11 +77,11 @@ def test_first_touch_uses_initializer_and_counts_created(make_cache: Any) -> Non
     keys = torch.tensor(EXTREME)
     rows = cache.lookup("t", keys)
     assert rows.shape == (len(EXTREME), 8) and rows.dtype == torch.float32
-    torch.testing.assert_close(rows, expected_init(cfg, keys), rtol=0, atol=0)
+    assert_close(rows, expected_init(cfg, keys), rtol=0, atol=0)
     s = cache.stats()["t"]
     assert s["lookups"] == len(EXTREME) == s["ssd"]["created"]
     # the same keys again, now from memory, identical
-    torch.testing.assert_close(cache.lookup("t", keys), rows, rtol=0, atol=0)
+    assert_close(cache.lookup("t", keys), rows, rtol=0, atol=0)
 
 
 def test_stats_lookups_add_up(make_cache: Any) -> None:
@@ -130,24 +143,24 @@ def test_updates_survive_eviction_close_and_reopen(make_cache: Any, tmp_path: An
     cache = make_cache(hbm_rows=2, ddr_rows=3, tables=[cfg])
     keys = torch.tensor(EXTREME + list(range(100, 140)))
     grads = torch.randn(len(keys), 8)
-    before = cache.lookup("t", keys)
+    before = cache.lookup("t", keys).cpu()
     cache.apply_gradients("t", keys, grads)
     want = before - 0.5 * grads
-    torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
+    assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
     assert_tiers_consistent(cache)
     cache.close()
     again = make_cache(hbm_rows=5, ddr_rows=1, tables=[cfg])
-    torch.testing.assert_close(again.lookup("t", keys), want, rtol=0, atol=0)
+    assert_close(again.lookup("t", keys), want, rtol=0, atol=0)
 
 
 def test_duplicate_keys_sum_gradients(make_cache: Any) -> None:
     cfg = TableConfig(name="t", dim=4, optimizer="sgd", lr=1.0)
     cache = make_cache(tables=[cfg])
-    base = cache.lookup("t", torch.tensor([5, 6]))
+    base = cache.lookup("t", torch.tensor([5, 6])).cpu()
     g = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     cache.apply_gradients("t", torch.tensor([5, 6, 5]), g)
     got = cache.lookup("t", torch.tensor([5, 6]))
-    torch.testing.assert_close(got, torch.stack([base[0] - g[0] - g[2], base[1] - g[1]]))
+    assert_close(got, torch.stack([base[0] - g[0] - g[2], base[1] - g[1]]))
 
 
 def test_assign_overwrites_and_last_duplicate_wins(make_cache: Any) -> None:
@@ -155,7 +168,7 @@ def test_assign_overwrites_and_last_duplicate_wins(make_cache: Any) -> None:
     rows = torch.randn(4, 8)
     cache.assign("t", torch.tensor([1, 2, 1, 3]), rows)
     got = cache.lookup("t", torch.tensor([1, 2, 3]))
-    torch.testing.assert_close(got, rows[[2, 1, 3]], rtol=0, atol=0)
+    assert_close(got, rows[[2, 1, 3]], rtol=0, atol=0)
 
 
 def test_multiple_tables_of_different_dims(make_cache: Any) -> None:
@@ -168,7 +181,7 @@ def test_multiple_tables_of_different_dims(make_cache: Any) -> None:
     assert not torch.equal(ra, rb[:, :4])  # different seeds
     cache.apply_gradients("b", kb, torch.ones(20, 16))
     assert not torch.equal(cache.lookup("b", kb), rb)
-    torch.testing.assert_close(cache.lookup("a", ka), ra, rtol=0, atol=0)
+    assert_close(cache.lookup("a", ka), ra, rtol=0, atol=0)
 
 
 def test_create_table_at_run_time_divides_memory_and_persists(make_cache: Any) -> None:
@@ -181,7 +194,7 @@ def test_create_table_at_run_time_divides_memory_and_persists(make_cache: Any) -
     assert cache.create_table(new) is False  # idempotent for the same definition
     assert cache.capacity_rows("t") == {"hbm": 4, "ddr": 8}  # equal shares of the same bytes
     assert cache.capacity_rows("u") == {"hbm": 4, "ddr": 8}
-    torch.testing.assert_close(cache.lookup("t", keys), before, rtol=0, atol=0)  # shrunk, nothing lost
+    assert_close(cache.lookup("t", keys), before, rtol=0, atol=0)  # shrunk, nothing lost
     cache.apply_gradients("u", keys, torch.ones(24, 8))
     with pytest.raises(TableConflictError, match="lr"):
         cache.create_table(TableConfig(name="u", dim=8, optimizer="adagrad", lr=0.5, seed=9))
@@ -197,8 +210,8 @@ def test_create_table_at_run_time_divides_memory_and_persists(make_cache: Any) -
     reopened = EmbeddingCache(cfg)
     try:
         assert set(reopened.tables()) == {"t", "u"}
-        torch.testing.assert_close(reopened.lookup("u", keys), u_rows, rtol=0, atol=0)
-        torch.testing.assert_close(reopened.lookup("t", keys), before, rtol=0, atol=0)
+        assert_close(reopened.lookup("u", keys), u_rows, rtol=0, atol=0)
+        assert_close(reopened.lookup("t", keys), before, rtol=0, atol=0)
     finally:
         reopened.close()
 
@@ -271,7 +284,7 @@ def test_admission_keeps_a_one_off_row_from_displacing_hot_rows(make_cache: Any,
         cache.lookup("t", hot)
     assert set(cache.resident_keys("t", "hbm").tolist()) == set(hot.tolist())
     cfg = cache.tables()["t"]
-    torch.testing.assert_close(cache.lookup("t", torch.tensor([99])), expected_init(cfg, [99]), rtol=0, atol=0)
+    assert_close(cache.lookup("t", torch.tensor([99])), expected_init(cfg, [99]), rtol=0, atol=0)
     resident = set(cache.resident_keys("t", "hbm").tolist())
     assert len(resident) == 4
     if admission:
@@ -345,10 +358,10 @@ def test_checkpoint_restore_into_other_capacities_and_backend(make_cache: Any, t
             hbm_bytes=20 * rb, ddr_bytes=0, path=str(tmp_path / f"restored-{kind}"), store=kind, device="cpu"))
         with restored:
             assert restored.tables()["t"] == cfg
-            torch.testing.assert_close(restored.lookup("t", keys), want, rtol=0, atol=0)
+            assert_close(restored.lookup("t", keys), want, rtol=0, atol=0)
             # optimizer state came along: the same next step gives the same rows
             restored.apply_gradients("t", keys, g)
-            torch.testing.assert_close(restored.lookup("t", keys), want_next, rtol=1e-6, atol=1e-7)
+            assert_close(restored.lookup("t", keys), want_next, rtol=1e-6, atol=1e-7)
     with pytest.raises(CheckpointExistsError):
         cache.checkpoint(str(ckpt))
 
@@ -376,7 +389,7 @@ def test_flushed_updates_survive_sigkill(tmp_path: Any, store: str) -> None:
     cfg = CacheConfig(hbm_bytes=0, ddr_bytes=0, path=str(path), store=store, device="cpu")
     with EmbeddingCache(cfg) as cache:
         got = cache.lookup("t", torch.arange(-50, 50) * 1_000_003)
-        torch.testing.assert_close(got[10:], want[10:], rtol=0, atol=0)
+        assert_close(got[10:], want[10:], rtol=0, atol=0)
 
 
 def test_concurrent_threads_lose_no_update(make_cache: Any) -> None:
@@ -413,7 +426,7 @@ def test_concurrent_threads_lose_no_update(make_cache: Any) -> None:
     for table in ("a", "b"):
         got = cache.lookup(table, torch.arange(60))
         want = torch.tensor([-0.25 * expected[table][k] for k in range(60)]).unsqueeze(1).expand(60, 4)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert_close(got, want, rtol=0, atol=0)
     assert_tiers_consistent(cache)
 
 
@@ -436,7 +449,7 @@ def test_unknown_table(filled: Any) -> None:
         cache.lookup("nope", keys)
     with pytest.raises(KeyError):
         cache.apply_gradients("nope", keys, torch.zeros(12, 8))
-    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+    assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad", [torch.zeros(2, 3, dtype=torch.int64), torch.tensor([1.0, 2.0]),
@@ -447,14 +460,14 @@ def test_keys_not_1d_or_not_integer(filled: Any, bad: Any) -> None:
         cache.lookup("t", bad)
     with pytest.raises(ValueError):
         cache.apply_gradients("t", bad, torch.zeros(2, 8))
-    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+    assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
 
 
 def test_other_integer_dtypes_are_accepted(filled: Any) -> None:
     cache, keys, before = filled
-    torch.testing.assert_close(cache.lookup("t", keys.to(torch.int32)), before, rtol=0, atol=0)
-    torch.testing.assert_close(cache.lookup("t", keys.numpy().astype(np.uint16)), before, rtol=0, atol=0)
-    torch.testing.assert_close(cache.lookup("t", keys.tolist()), before, rtol=0, atol=0)
+    assert_close(cache.lookup("t", keys.to(torch.int32)), before, rtol=0, atol=0)
+    assert_close(cache.lookup("t", keys.numpy().astype(np.uint16)), before, rtol=0, atol=0)
+    assert_close(cache.lookup("t", keys.tolist()), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("grads,match", [
@@ -468,7 +481,7 @@ def test_bad_gradients(filled: Any, grads: Any, match: str) -> None:
     cache, keys, before = filled
     with pytest.raises(InvalidGradientError, match=match):
         cache.apply_gradients("t", keys, grads)
-    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+    assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
@@ -478,7 +491,7 @@ def test_nonfinite_gradients_rejected(filled: Any, value: float) -> None:
     g[5, 3] = value
     with pytest.raises(NonFiniteGradientError, match="NaN or inf"):
         cache.apply_gradients("t", keys, g)
-    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+    assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
@@ -488,18 +501,18 @@ def test_nonfinite_gradients_pass_when_not_rejected(make_cache: Any, value: floa
     cfg = TableConfig(name="t", dim=8, optimizer="sgd", lr=0.5, seed=3)
     cache = make_cache(hbm_rows=2, ddr_rows=3, tables=[cfg], reject_nonfinite=False)
     keys = torch.arange(12)
-    before = cache.lookup("t", keys).clone()
+    before = cache.lookup("t", keys).cpu()
     g = torch.ones(12, 8)
     g[5, 3] = value
     cache.apply_gradients("t", keys, g)
     want = before - 0.5 * g
     assert not torch.isfinite(want[5, 3]) and bool(torch.isfinite(want[5, [0, 1, 2, 4, 5, 6, 7]]).all())
-    torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0, equal_nan=True)
+    assert_close(cache.lookup("t", keys), want, rtol=0, atol=0, equal_nan=True)
     cache.lookup("t", torch.arange(100, 120).repeat(3))  # push key 5 out of memory (written back)
     assert 5 not in set(cache.resident_keys("t", "hbm").tolist()) | set(cache.resident_keys("t", "ddr").tolist())
     cache.close()
     again = make_cache(hbm_rows=2, ddr_rows=3, tables=[cfg], reject_nonfinite=False)
-    torch.testing.assert_close(again.lookup("t", keys), want, rtol=0, atol=0, equal_nan=True)
+    assert_close(again.lookup("t", keys), want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_bad_assign_rows(filled: Any) -> None:
@@ -508,7 +521,7 @@ def test_bad_assign_rows(filled: Any) -> None:
         cache.assign("t", keys, torch.zeros(12, 3))
     with pytest.raises(InvalidRowsError, match="NaN"):
         cache.assign("t", keys, torch.full((12, 8), float("nan")))
-    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+    assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
 
 
 def test_empty_batch(filled: Any) -> None:
@@ -517,7 +530,7 @@ def test_empty_batch(filled: Any) -> None:
     assert out.shape == (0, 8)
     cache.apply_gradients("t", torch.empty(0, dtype=torch.int64), torch.empty(0, 8))
     assert cache.lookup("t", []).shape == (0, 8)
-    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+    assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
 
 
 def test_oversized_batch(make_cache: Any) -> None:
@@ -545,7 +558,7 @@ def test_use_after_close(filled: Any, tmp_path: Any) -> None:
     # the stored rows are what they were before the refused calls
     with EmbeddingCache(cache.config) as again:
         assert set(again.tables()) == {"t"}
-        torch.testing.assert_close(again.lookup("t", keys), before, rtol=0, atol=0)
+        assert_close(again.lookup("t", keys), before, rtol=0, atol=0)
 
 
 def test_context_manager_closes_on_exit_and_on_error(tmp_path: Any, store: str) -> None:
@@ -567,7 +580,7 @@ def test_context_manager_closes_on_exit_and_on_error(tmp_path: Any, store: str) 
     with pytest.raises(CacheClosedError):
         d.lookup("t", keys)
     with EmbeddingCache(cfg) as e:
-        torch.testing.assert_close(e.lookup("t", keys), torch.full((10, 8), -2.0), rtol=0, atol=0)
+        assert_close(e.lookup("t", keys), torch.full((10, 8), -2.0), rtol=0, atol=0)
 
 
 def test_checkpoint_into_nonempty_directory(filled: Any, tmp_path: Any) -> None:
@@ -578,7 +591,7 @@ def test_checkpoint_into_nonempty_directory(filled: Any, tmp_path: Any) -> None:
     with pytest.raises(CheckpointExistsError, match="not empty"):
         cache.checkpoint(str(d))
     assert os.listdir(d) == ["something"]
-    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+    assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
 
 
 def test_store_path_held_by_another_cache_or_process(filled: Any, store: str) -> None:
@@ -597,7 +610,7 @@ def test_store_path_held_by_another_cache_or_process(filled: Any, store: str) ->
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "locked: store path" in proc.stdout, proc.stderr
-    torch.testing.assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
+    assert_close(snapshot(cache, keys), before, rtol=0, atol=0)
 
 
 def test_table_conflict_on_reopen(make_cache: Any, tmp_path: Any) -> None:
@@ -668,13 +681,13 @@ def test_disk_full_during_write_back_loses_nothing(small_disk: Any, store: str) 
     cold = ~torch.isin(keys, resident)
     batch = torch.cat([keys, keys[cold].repeat(3)])
     with pytest.warns(UserWarning, match="could not be cached"):
-        torch.testing.assert_close(cache.lookup("t", batch), torch.cat([want, want[cold].repeat(3, 1)]), rtol=0, atol=0)
+        assert_close(cache.lookup("t", batch), torch.cat([want, want[cold].repeat(3, 1)]), rtol=0, atol=0)
     os.remove(filler)  # room again: writes, flush and close go through
     cache.apply_gradients("t", keys[applied:], torch.ones(64, 64))
     want[applied:] -= 1.0
     cache.close()
     with EmbeddingCache(cfg) as again:
-        torch.testing.assert_close(again.lookup("t", keys), want, rtol=0, atol=0)
+        assert_close(again.lookup("t", keys), want, rtol=0, atol=0)
 
 
 def test_exit_without_close_writes_back_and_exits_cleanly(tmp_path: Any, store: str) -> None:
@@ -690,7 +703,7 @@ def test_exit_without_close_writes_back_and_exits_cleanly(tmp_path: Any, store: 
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     with EmbeddingCache(CacheConfig(hbm_bytes=0, ddr_bytes=0, path=str(path), store=store, device="cpu")) as cache:
-        torch.testing.assert_close(cache.lookup("t", torch.arange(50)), torch.full((50, 8), -1.0))
+        assert_close(cache.lookup("t", torch.arange(50)), torch.full((50, 8), -1.0))
 
 
 def test_stats_report_the_age_of_an_unfinished_prefetch(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -751,8 +764,8 @@ def test_failed_overlapped_store_read_fails_the_lookup_and_moves_nothing(make_ca
     assert {tier: set(cache.resident_keys("t", tier).tolist()) for tier in ("hbm", "ddr")} == resident
     assert_tiers_consistent(cache)
     monkeypatch.setattr(store, "get_many", real)
-    torch.testing.assert_close(cache.lookup("t", cold.repeat(3)), want[cold].repeat(3, 1), rtol=0, atol=0)
-    torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
+    assert_close(cache.lookup("t", cold.repeat(3)), want[cold].repeat(3, 1), rtol=0, atol=0)
+    assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
     assert_tiers_consistent(cache)
 
 
@@ -796,12 +809,12 @@ def test_update_after_lookup_reuses_the_rows_the_lookup_read(make_cache: Any) ->
         return int(cache.stats()["t"]["ssd"]["read_rows"])
 
     batch = torch.arange(100, 200)
-    torch.testing.assert_close(cache.lookup("t", batch), want[100:], rtol=0, atol=0)
+    assert_close(cache.lookup("t", batch), want[100:], rtol=0, atol=0)
     before = store_rows_read()
     cache.apply_gradients("t", batch, torch.ones(100, 8))
     want[100:] -= 1.0
     assert store_rows_read() == before
-    torch.testing.assert_close(cache.lookup("t", batch), want[100:], rtol=0, atol=0)
+    assert_close(cache.lookup("t", batch), want[100:], rtol=0, atol=0)
 
     cache.lookup("t", batch)
     cache.assign("t", torch.arange(4), torch.full((4, 8), 5.0))
@@ -811,4 +824,4 @@ def test_update_after_lookup_reuses_the_rows_the_lookup_read(make_cache: Any) ->
     cache.apply_gradients("t", batch, torch.ones(100, 8))
     want[100:] -= 1.0
     assert store_rows_read() > before
-    torch.testing.assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
+    assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from hypothesis import strategies as st
 from embcache import index as index_mod
 from embcache.index import KeyIndex, NumbaIndex, TorchIndex, make_index, mix64, unmix64
 
+from .fakecuda import fake_cuda
+
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREME = [I64_MIN, I64_MIN + 1, -(2**53) - 1, -1, 0, 1, 2**53, 2**53 + 1, 2**62, I64_MAX - 1, I64_MAX]
 HAS_CUDA = torch.cuda.is_available()
@@ -23,8 +26,8 @@ HAS_CUDA = torch.cuda.is_available()
 IMPLS = [
     pytest.param(("numba", "cpu"), id="numba-cpu"),
     pytest.param(("torch", "cpu"), id="torch-cpu"),
-    pytest.param(("torch", "cuda"), id="torch-cuda",
-                 marks=pytest.mark.skipif(not HAS_CUDA, reason="CUDA is not available")),
+    # without a GPU, TorchIndex's CUDA path (one-pass find) runs under the stand-in (tests/fakecuda.py)
+    pytest.param(("torch", "cuda"), id="torch-cuda" if HAS_CUDA else "torch-fakecuda"),
 ]
 
 Factory = Callable[[int], KeyIndex]
@@ -38,9 +41,11 @@ def _factory(kind: str, device: str) -> Factory:
 
 
 @pytest.fixture(params=IMPLS)
-def make(request: pytest.FixtureRequest) -> Factory:
+def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
     """``make(capacity)`` -> an empty index of the parametrized kind on its device."""
-    return _factory(*request.param)
+    kind, device = request.param
+    with fake_cuda() if device == "cuda" and not HAS_CUDA else contextlib.nullcontext():
+        yield _factory(kind, device)
 
 
 def t(values: object, device: torch.device) -> torch.Tensor:
@@ -409,3 +414,16 @@ def test_find_touch_gather_copies_found_rows_and_counts_like_find_touch(n: int, 
             assert torch.equal(out, rows[:300].float())
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("capacity", [1024, 3000, 4100, 4400, 65537, 70000, 262145])
+def test_torch_index_stays_within_the_tiers_index_budget(capacity: int) -> None:
+    # The tiers count 64 bytes of key index per row (tier.py); rounding the buckets up to a power
+    # of two took TorchIndex (the CUDA index) to ~68.5 (4100 rows: 2048 buckets of 137 bytes).
+    index = TorchIndex(capacity)
+    assert index.nbytes <= 64 * capacity
+    keys = torch.randperm(10 * capacity, generator=torch.Generator().manual_seed(capacity))[:capacity] * 7919 - 5
+    slots = torch.arange(capacity)
+    index.insert(keys, slots)  # full: at most 55% load, no growth
+    assert index.n_buckets == TorchIndex(capacity).n_buckets and index.nbytes <= 64 * capacity
+    assert torch.equal(index.find(keys), slots)

@@ -184,6 +184,35 @@ def test_bag_output_and_gradient_equal_torch(bag_cache: EmbeddingCache, batch: d
         assert not psw.grad.reshape(-1)[n_ref:].any()
 
 
+@pytest.fixture
+def cuda_bag_cache(fakecuda: Any, make_cache: Any) -> EmbeddingCache:
+    return make_cache(hbm_rows=4, ddr_rows=8, tables=[sgd1()], device="cuda")
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=bag_batches(), on_device=st.booleans())
+def test_bag_output_equals_torch_on_cuda(cuda_bag_cache: EmbeddingCache, batch: dict[str, Any],
+                                         on_device: bool) -> None:
+    # The forward of every input form with the cache on "cuda" under the stand-in
+    # (tests/fakecuda.py), inputs on the host or the device: outputs on the device, torch's values.
+    # Backward cannot run there (the stand-in carries no autograd); the test above covers it on CPU.
+    cache = cuda_bag_cache
+    opts = {"mode": batch["mode"], "include_last_offset": batch["include_last_offset"],
+            "padding_idx": batch["padding_idx"]}
+    ref = nn.EmbeddingBag.from_pretrained(rows_of(cache).cpu(), **opts)
+    move = (lambda x: x.cuda() if x is not None else None) if on_device else (lambda x: x)
+    with torch.no_grad():
+        out = CachedEmbeddingBag(cache, "t", **opts)(move(batch["input"]), move(batch["offsets"]),
+                                                      per_sample_weights=move(batch["psw"]))
+        ref_input, psw = batch["input"], batch["psw"]
+        if batch["include_last_offset"]:
+            end = int(batch["offsets"][-1])
+            ref_input, psw = ref_input[:end], psw[:end] if psw is not None else None
+        expected = ref(ref_input, batch["offsets"], per_sample_weights=psw)
+    assert out.device == cache.device and out.device.type == "cuda"
+    assert torch.equal(out.cpu(), expected)
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("padding_idx", [None, 3])
 def test_one_key_bags_take_the_gather_path_and_equal_torch(make_cache: Any, mode: str, padding_idx: int | None) -> None:
@@ -739,6 +768,26 @@ def test_the_embedded_cache_is_cache_like(make_cache: Any) -> None:
     assert set(cache.tables()) == {"t"} and cache.device == torch.device("cpu")
 
 
+def test_outputs_go_to_the_module_device_not_the_input_device(make_cache: Any) -> None:
+    # The model's device decides (TorchRec's rule): a CUDA model fed host ids must get CUDA
+    # outputs (examples/dlrm.py crashed in torch.cat otherwise). "meta" stands in for a device
+    # other than the input's, which a CPU-only build cannot otherwise give.
+    cache = make_cache(tables=[sgd1(), sgd1("u")])
+    input, offsets = i64(1, 2, 2, 7), i64(0, 3)
+    with torch.no_grad():
+        assert CachedEmbeddingBag(cache, "t", mode="sum")(input, offsets).device == cache.device
+        assert CachedEmbedding(cache, "t", device="meta")(input).device.type == "meta"
+        bag = CachedEmbeddingBag(cache, "t", mode="sum", device="meta")
+        out = bag(input, offsets)
+        assert out.device.type == "meta" and out.shape == (2, DIM)
+        assert "device='meta'" in repr(bag) and bag.output_device == torch.device("meta")
+        ebc = CachedEmbeddingBagCollection(cache, ["t", "u"], device=torch.device("meta"))
+        outs = ebc({"t": (input, offsets), "u": input.view(2, 2)})
+        assert {o.device.type for o in outs.values()} == {"meta"}
+    with pytest.raises(ConfigError, match="device"):
+        CachedEmbeddingBag(cache, "t", device="gpu0")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_cache_with_cpu_and_cuda_inputs(tmp_path: Any, store: str) -> None:
     rb = row_bytes(DIM)
@@ -752,7 +801,7 @@ def test_cuda_cache_with_cpu_and_cuda_inputs(tmp_path: Any, store: str) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 out = bag(input.to(device), offsets.to(device))
-            assert out.device.type == device
+            assert out.device == cache.device  # the cache's device, wherever the input was
             torch.testing.assert_close(out.cpu(), ref(input, offsets), rtol=1e-6, atol=1e-6)
         out.sum().backward()
         ref(input, offsets).sum().backward()

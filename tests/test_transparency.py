@@ -9,6 +9,7 @@ keeps all rows in a dict and applies the same initializer and optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from typing import Any
@@ -25,6 +26,7 @@ from embcache.init import init_rows
 from embcache.optim import OptimizerParams, apply_update, initial_state, state_width
 
 from .conftest import row_bytes
+from .fakecuda import fake_cuda
 
 DIM = 4
 POOL = [-(2**63), 2**63 - 1, -1, 0, 2**53 + 1, *range(1, 14)]
@@ -67,7 +69,7 @@ class Reference:
             self.rows[k] = (rows[i], fresh.clone())
 
 
-def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
+def make_machine(store: str, optimizer: str, device: str = "cpu") -> type[RuleBasedStateMachine]:
     class CacheMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
@@ -83,7 +85,7 @@ def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
             rb = row_bytes(DIM, optimizer)
             self.n_paths += 1
             return CacheConfig(hbm_bytes=hbm * rb, ddr_bytes=ddr * rb, path=f"{self.tmp}/p{self.n_paths}",
-                               store=kind, device="cpu", policy=policy, halflife=20.0)
+                               store=kind, device=device, policy=policy, halflife=20.0)
 
         @initialize(hbm=st.integers(0, 3), ddr=st.integers(0, 4), policy=st.sampled_from(["lrfu", "lfu", "lru"]))
         def open(self, hbm: int, ddr: int, policy: str) -> None:
@@ -95,7 +97,8 @@ def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
             assert self.cache is not None
             got = self.cache.lookup("t", torch.tensor(keys, dtype=torch.int64))
             want, _ = self.ref.get(keys)
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+            assert got.device == self.cache.device
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-7)
 
         @rule(keys=keys_st, seed=st.integers(0, 2**16))
         def apply_gradients(self, keys: list[int], seed: int) -> None:
@@ -165,7 +168,7 @@ def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
             self._reset_pass_state()
             rb = row_bytes(DIM, optimizer)
             self.cache = EmbeddingCache(CacheConfig(hbm_bytes=hbm * rb, ddr_bytes=ddr * rb, path=path,
-                                                    store=kind, device="cpu", policy=self.policy, halflife=20.0))
+                                                    store=kind, device=device, policy=self.policy, halflife=20.0))
 
         @invariant()
         def tiers_within_capacity_and_disjoint(self) -> None:
@@ -189,23 +192,27 @@ def make_machine(store: str, optimizer: str) -> type[RuleBasedStateMachine]:
                 # every row, including those never touched through the cache, matches at the end
                 keys = list(self.ref.rows)
                 got = self.cache.lookup("t", torch.tensor(keys, dtype=torch.int64))
-                torch.testing.assert_close(got, self.ref.get(keys)[0], rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(got.cpu(), self.ref.get(keys)[0], rtol=1e-6, atol=1e-7)
                 self.cache.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
 
-    CacheMachine.__name__ = f"CacheMachine_{store}_{optimizer}"
+    CacheMachine.__name__ = f"CacheMachine_{store}_{optimizer}_{device}"
     return CacheMachine
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("store", ["rocksdb", "lmdb"])
-def test_cache_matches_dict_of_rows(store: str, optimizer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("device", ["cpu", "fakecuda"])
+def test_cache_matches_dict_of_rows(store: str, optimizer: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Lookups read the store inline below _OVERLAP_READ_MIN missing keys and on a reader thread,
     # overlapped with placement, from there on; these batches are small, so half of the runs
     # lower the threshold to take the overlapped path on every lookup that misses memory.
     if optimizer in ("sgd", "rowwise_adagrad"):
         monkeypatch.setattr(cache_module, "_OVERLAP_READ_MIN", 1)
-    machine: Any = make_machine(store, optimizer)
-    machine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
-                                         suppress_health_check=list(HealthCheck))
-    machine.TestCase().runTest()
+    # "fakecuda": the cache on "cuda" under the CPU stand-in (tests/fakecuda.py), so its GPU
+    # branches (TorchIndex, torch-op updates, pinned DDR, async copies) face the same machine.
+    machine: Any = make_machine(store, optimizer, "cuda" if device == "fakecuda" else "cpu")
+    machine.TestCase.settings = settings(max_examples=15 if device == "cpu" else 8, stateful_step_count=25,
+                                         deadline=None, suppress_health_check=list(HealthCheck))
+    with fake_cuda() if device == "fakecuda" else contextlib.nullcontext():
+        machine.TestCase().runTest()
