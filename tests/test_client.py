@@ -77,9 +77,7 @@ def one_shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def three_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalServer]]:
-    base = tmp_path_factory.mktemp("three")
+def _three(base: Path) -> Iterator[list[LocalServer]]:
     servers = [LocalServer(base / f"store{i}", args=SERVER_ARGS, metrics=True, workdir=base / f"run{i}",
                            start_timeout=START_TIMEOUT) for i in range(3)]
     _start_all(servers)
@@ -88,6 +86,11 @@ def three_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Loca
         s.terminate()
     for s in servers:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def three_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LocalServer]]:
+    yield from _three(tmp_path_factory.mktemp("three"))
 
 
 @pytest.fixture(scope="module")
@@ -963,14 +966,7 @@ class _Dns:
 @pytest.fixture
 def fresh_three(tmp_path: Path) -> Iterator[list[LocalServer]]:
     """Three servers of this test's own (a reshard changes the fleet's map for good)."""
-    servers = [LocalServer(tmp_path / f"store{i}", args=SERVER_ARGS, workdir=tmp_path / f"run{i}",
-                           start_timeout=START_TIMEOUT) for i in range(3)]
-    _start_all(servers)
-    yield servers
-    for s in servers:
-        s.terminate()
-    for s in servers:
-        s.stop()
+    yield from _three(tmp_path)
 
 
 def test_shards_from_an_injected_resolver_and_refresh(fresh_three: list[LocalServer]) -> None:

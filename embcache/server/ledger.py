@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..stores.base import fsync_dir
+from ..stores.base import write_durably
 
 __all__ = ["LEDGER_FILE", "Durable", "WriteLedger"]
 
@@ -100,13 +100,7 @@ class WriteLedger:
                 keep = sorted(self._records.items(), key=lambda kv: kv[1]["started"])[-_KEEP:]
                 self._records = dict(keep)
                 body = json.dumps({"incarnations": {str(k): v for k, v in keep}}, indent=1).encode()
-            tmp = f"{self._path}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._path)
-            fsync_dir(os.path.dirname(self._path) or ".")
+            write_durably(self._path, body)
 
     def acknowledge(self) -> int:
         """The sequence number of a write request about to be acknowledged (call after it was applied)."""

@@ -35,7 +35,7 @@ import numpy as np
 from ..cache import EmbeddingCache
 from ..errors import ConfigError, MigratingError, PassStateError, WrongShardError
 from ..ring import ShardMap
-from ..stores.base import fsync_dir
+from ..stores.base import write_durably
 
 __all__ = ["MAP_FILE", "ShardGate"]
 
@@ -105,13 +105,7 @@ class ShardGate:
     def _save(self) -> None:
         body = json.dumps({"name": self.name, "current": self.current.to_json() if self.current else "",
                            "pending": self.pending.to_json() if self.pending else "", "frozen": self.frozen}).encode()
-        tmp = f"{self._path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path)
-        fsync_dir(os.path.dirname(self._path) or ".")
+        write_durably(self._path, body)
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:

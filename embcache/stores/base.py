@@ -36,7 +36,8 @@ from ..errors import (
     UnknownTableError,
 )
 
-__all__ = ["KEY_BYTES", "META_PREFIX", "TABLE_PREFIX", "Store", "decode_keys", "encode_keys", "fsync_dir"]
+__all__ = ["KEY_BYTES", "META_PREFIX", "TABLE_PREFIX", "Store", "decode_keys", "encode_keys", "fsync_dir",
+           "write_durably"]
 
 KEY_BYTES = 8
 _SIGN = np.int64(-(2**63))
@@ -88,6 +89,23 @@ def _is_disk_full(exc: BaseException) -> bool:
 def _dir_is_empty(directory: str) -> bool:
     with os.scandir(directory) as entries:
         return next(entries, None) is None
+
+
+def write_durably(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably (temporary file, fsync, rename, fsync of the directory).
+
+    A crash leaves the old contents or the new ones, never a mix.
+
+    Raises:
+        OSError: the write failed (``path`` is unchanged).
+    """
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 def fsync_dir(directory: str) -> None:
