@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"{ph['steps_per_s_before']:.1f}", f"{ph['steps_per_s_during']:.1f}", f"{ratio:.2f}",
                            f"{ph['longest_step_gap_s']:.2f}"])
     headers = ["reshard", "rows moved", "copy s", "rows/s", "rows written during the copy, copied again",
-               "writes to moving rows paused s", "total s", "steps/s before", "steps/s during", "during / before",
+               "freeze to last commit s", "total s", "steps/s before", "steps/s during", "during / before",
                "longest step gap s"]
     table = markdown_table(headers, table_rows)
     t_base = ends[0] if ends else 0.0

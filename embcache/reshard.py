@@ -60,7 +60,8 @@ class ReshardReport:
         moved_rows: rows copied to their new owners, per table.
         deleted_rows: rows deleted from the shards they left.
         seconds: wall time of the copy (begin to the last import of the first copy).
-        pause_seconds: wall time during which writes to moving rows were refused (freeze to commit).
+        pause_seconds: wall time from the freeze to the last server's commit: writes to moving rows
+            waited at most this long (a server switches maps as its commit begins, then deletes).
         delta_rows: rows copied again because they were written during the first copy.
         total_seconds: wall time of the whole reshard.
         resumed: an interrupted reshard was finished.
