@@ -82,6 +82,8 @@ SUITE = (
     Bench("dlrm", "bench_dlrm.py", "dlrm", what="DLRM training throughput: in-memory torch vs embcache with and "
           "without prefetch"),
     Bench("server", "bench_server.py", "server", served=True, what="gRPC pull/push vs a raw gRPC echo and Redis"),
+    Bench("overload", "bench_overload.py", "overload", served=True, what="a client's lookup p50/p99 with and "
+          "without 64 stalled client streams"),
     Bench("reshard", "bench_reshard.py", "reshard", served=True, what="rows migrated/s while resharding 2 -> 3 -> "
           "2 shards; training steps/s during a migration vs before"),
     Bench("index", "bench_index.py", "index", device=True, what="key -> slot find, erase, insert rates: numba, "
