@@ -10,6 +10,7 @@ of a migration is restarted and the migration resumed.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -30,6 +31,7 @@ from embcache.errors import ConfigError
 from embcache.ring import ShardMap
 from embcache.rpc.errors import ERROR_TYPE_KEY, MAP_VERSION_KEY
 from embcache.rpc.v1 import embcache_pb2 as pb
+from embcache.rpc.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.server.local import LocalServer
 
 START_TIMEOUT = 300
@@ -167,8 +169,9 @@ def _exported(server: LocalServer) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_a_migration_survives_a_killed_source_and_resumes(fleet: list[LocalServer], tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("victim", [0, 2], ids=["source", "target"])
+def test_a_migration_survives_a_killed_shard_and_resumes(fleet: list[LocalServer], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch, victim: int) -> None:
     a, b, c = (s.address for s in fleet)
     with Client([a, b], timeout=120, connect_timeout=START_TIMEOUT) as client:
         log: list[tuple[np.ndarray, torch.Tensor]] = []
@@ -198,11 +201,11 @@ def test_a_migration_survives_a_killed_source_and_resumes(fleet: list[LocalServe
         deadline = time.monotonic() + 120
         while _exported(fleet[0]) == 0 and worker.is_alive() and time.monotonic() < deadline:
             time.sleep(0.02)
-        fleet[0].kill()  # the source, mid-migration
+        fleet[victim].kill()  # the source (or the new shard), mid-migration
         worker.join(300)
         monkeypatch.setattr(reshard_module, "_copy", original)
-        assert failure, "the reshard should fail when its source dies"
-        fleet[0].start()
+        assert failure, "the reshard should fail when a shard it copies from or to dies"
+        fleet[victim].start()
         # the pending migration survived the crash; a write to a moving key meanwhile is not lost
         old_map, new_map = ShardMap(1, {a: a, b: b}), ShardMap(2, {a: a, b: b, c: c})
         moving = keys[old_map.owned_by(keys, a) & new_map.owned_by(keys, c)][:5]
@@ -252,3 +255,77 @@ def test_the_reshard_command_adds_and_removes_a_shard(fleet: list[LocalServer]) 
         assert down.returncode == 0, down.stdout + down.stderr
         assert torch.equal(client.lookup("t", keys)[:, 0], torch.from_numpy(keys.astype(np.float32)))
         assert len(client.servers) == 2
+
+
+def test_two_clients_with_different_lists_route_every_key_to_one_shard(fleet: list[LocalServer]) -> None:
+    """The first client's list becomes the fleet's map; a client that resolved another list is given it."""
+    a, b, c = (s.address for s in fleet)
+    with Client([a, b], timeout=120, connect_timeout=START_TIMEOUT) as first, \
+            Client([b, c], timeout=120) as second, Client([a, b, c], timeout=120) as third:
+        assert first.shard_map == second.shard_map == third.shard_map
+        assert set(second.servers) == set(third.servers) == {a, b}  # c is not in the fleet's map
+        keys = np.arange(500)
+        first.assign("t", keys, torch.zeros(500, 8))
+        second.apply_gradients("t", keys, torch.ones(500, 8))  # lr 0.5: every row becomes -0.5
+        third.apply_gradients("t", keys, torch.ones(500, 8))
+        for client in (first, second, third):
+            assert torch.equal(client.lookup("t", keys), torch.full((500, 8), -1.0))
+        with grpc.insecure_channel(c) as channel:  # the shard outside the map got none of those rows
+            stats = pb_grpc.EmbeddingCacheServiceStub(channel).Stats(pb.StatsRequest(), timeout=30)
+        assert json.loads(stats.json)["t"]["updates"] == json.loads(stats.json)["t"]["assigns"] == 0
+
+
+def test_an_interrupted_commit_is_finished_by_running_the_reshard_again(fleet: list[LocalServer], tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator dies after one shard committed: clients keep working, the same reshard finishes it."""
+    a, b, c = (s.address for s in fleet)
+    with Client([a, b], timeout=120, connect_timeout=START_TIMEOUT) as client:
+        keys = np.arange(N_KEYS)
+        log = [(keys, _grads(0, keys))]
+        client.apply_gradients("t", *log[0])
+        original = pb_grpc.EmbeddingCacheServiceStub
+
+        class DiesAfterOneCommit(original):  # type: ignore[misc, valid-type]
+            commits = 0
+
+            def __init__(self, channel: grpc.Channel) -> None:
+                super().__init__(channel)
+                inner = self.CommitShardMap
+
+                def commit(*args: Any, **kwargs: Any) -> Any:
+                    DiesAfterOneCommit.commits += 1
+                    if DiesAfterOneCommit.commits > 1:
+                        raise _CoordinatorDied()
+                    return inner(*args, **kwargs)
+                self.CommitShardMap = commit
+
+        monkeypatch.setattr(pb_grpc, "EmbeddingCacheServiceStub", DiesAfterOneCommit)
+        with Client([a, b], timeout=120) as operator, pytest.raises(_CoordinatorDied):
+            operator.reshard([a, b, c], progress=False)
+        monkeypatch.setattr(pb_grpc, "EmbeddingCacheServiceStub", original)
+        versions = sorted(_map_version(s.address) for s in fleet)
+        assert versions[0] == 1 and versions[-1] == 2  # one shard on the new map, the others on the old
+        # training goes on meanwhile: writes to moving rows wait, the others land (in a thread: they may wait)
+        done = threading.Event()
+
+        def train() -> None:
+            client.apply_gradients("t", keys, _grads(1, keys))
+            done.set()
+        writer = threading.Thread(target=train)
+        writer.start()
+        report = client.reshard([a, b, c], progress=False)
+        writer.join(120)
+        assert done.is_set() and report.version == 2
+        assert [_map_version(s.address) for s in fleet] == [2, 2, 2]
+        log.append((keys, _grads(1, keys)))
+        torch.testing.assert_close(client.lookup("t", keys), _reference(tmp_path, log), rtol=0, atol=0)
+
+
+class _CoordinatorDied(Exception):
+    pass
+
+
+def _map_version(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        state = pb_grpc.EmbeddingCacheServiceStub(channel).GetShardMap(pb.GetShardMapRequest(), timeout=30)
+    return ShardMap.from_json(state.current).version if state.current else 0
