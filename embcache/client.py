@@ -1591,14 +1591,28 @@ class Client:
             The embcache error of the first call that failed for good otherwise.
         """
         sent = [self._receipts.pending(s.name) for s in shards]
-        calls = [(s, method, make(s, list(p))) for s, p in zip(shards, sent, strict=True)]
+        # receipts of shards that left the fleet: the shards that took their rows hold their ledgers
+        with self._lock:
+            gone = [s for s in self._retired if s.name not in {c.name for c in shards}]
+        orphans = {s.name: (s, p) for s in gone if (p := self._receipts.pending(s.name))}
+        asked = sorted({inc for _, p in orphans.values() for inc in p})
+        calls = [(s, method, make(s, sorted({*p, *asked}))) for s, p in zip(shards, sent, strict=True)]
         outcomes = self._fanout_outcomes(calls, idempotent, timeout=self._long_timeout)
         losses = []
+        best: dict[int, tuple[int, bool]] = {}  # an orphan incarnation: the highest durable sequence any shard knows
         for (shard, _, _), pending, reply in zip(calls, sent, outcomes, strict=True):
-            if not isinstance(reply, grpc.RpcError):
-                losses += self._receipts.settle(shard.name, shard.address, pending,
-                                                [(d.incarnation, d.durable_seq, d.known) for d in reply.durable])
+            if isinstance(reply, grpc.RpcError):
+                continue
+            answers = [(d.incarnation, d.durable_seq, d.known) for d in reply.durable]
+            losses += self._receipts.settle(shard.name, shard.address, pending, answers)
+            for inc, seq, known in answers:
+                if known and inc in asked and (inc not in best or seq > best[inc][0]):
+                    best[inc] = (seq, True)
         failure = self._failure(calls, outcomes, idempotent)
+        if failure is None:  # every shard answered: what none of them knows cannot be proven durable
+            for name, (shard, pending) in orphans.items():
+                losses += self._receipts.settle(name, shard.address, pending,
+                                                [(inc, *best.get(inc, (0, False))) for inc in pending])
         if losses:
             raise loss_error(losses, method.lower(), failure)
         if failure is not None:
@@ -1611,15 +1625,16 @@ class Client:
         Each shard is asked, with the flush, about the server processes that acknowledged this
         client's writes since its last flush: a shard whose process crashed and restarted since
         (kill -9, OOM, power loss) cannot prove those writes durable, and this raises
-        :class:`DataLossError` naming it and counting them instead of returning. A clean restart
+        :class:`DataLossError` naming it and counting them instead of returning. The writes of a
+        shard that left the fleet by a reshard are answered for by the shards that took its rows
+        (the reshard flushed it and handed its record to them). A clean restart
         (SIGTERM) flushes first and loses nothing. A loss is reported once.
 
         Raises:
             DataLossError, StoreError, UnavailableError, DeadlineExceededError.
         """
-        with self._lock:
-            shards = [*self._topo.shards, *(s for s in self._retired if self._receipts.pending(s.name))]
-        self._settling("Flush", shards, lambda _, incs: pb.FlushRequest(incarnations=incs), idempotent=True)
+        self._settling("Flush", self._topo.shards, lambda _, incs: pb.FlushRequest(incarnations=incs),
+                       idempotent=True)
 
     def checkpoint(self, directory: str | os.PathLike[str]) -> list[str]:
         """Checkpoint every shard: ``directory`` (one shard) or ``directory/shard-<i>``, under each server's root.

@@ -16,7 +16,9 @@ the next version of the fleet's shard map (:mod:`embcache.ring`, :mod:`embcache.
 3. **Freeze and copy what changed.** The sources start refusing writes to their leaving rows
    (``MigratingError``: clients resend them) and export only the leaving rows written during the
    copy; the new owners import them and flush. This is the only pause, and only for writes that
-   touch moving rows.
+   touch moving rows. A source flushes as it freezes, and the record of what its process made
+   durable (:mod:`embcache.server.ledger`) goes to the shards that stay, so that a client's
+   ``flush()`` can still settle the writes a removed shard acknowledged.
 4. **Commit.** Every server adopts the new map and deletes the rows that left it. A client still
    routing by the old map is refused with the new one (``WrongShardError``, nothing applied),
    adopts it and sends the keys to their new owners: no key is ever served by two shards.
@@ -30,6 +32,7 @@ it the remaining commits are sent. A reshard to another list is refused while on
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -156,10 +159,15 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
     committed = any(c.version == target.version for c in currents)
     everyone = {n: shards[n] for n in dict.fromkeys([*current.shards, *target.shards])}
     # 1. begin: every server holds the map in force and the pending one (a resumed one frozen at once)
+    leaving = [n for n in current.shards if n not in target.shards]
+    ledgers: dict[str, str] = {}  # a frozen shard's write ledger, to be answered for by those that stay
+
     def begin(names: Sequence[str], freeze: bool) -> None:
         for name in names:
-            call(everyone[name], "SetShardMap", pb.SetShardMapRequest(name=name, current=current.to_json(),
-                                                                     pending=target.to_json(), freeze=freeze))
+            state = call(everyone[name], "SetShardMap", pb.SetShardMapRequest(
+                name=name, current=current.to_json(), pending=target.to_json(), freeze=freeze))
+            if freeze and name in leaving:
+                ledgers[name] = state.ledger
     begin(list(everyone), freeze=resumed)
     report = ReshardReport(target.version, named, resumed=resumed)
     t_copy = time.monotonic()
@@ -203,14 +211,27 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
     # 4. commit, on every server at once: each switches maps first and then deletes the rows that left it
     # (a client that meets a shard not yet switched is refused with the older map and tries again)
     with ThreadPoolExecutor(max_workers=len(everyone)) as pool:
+        handed = _merge_ledgers(list(ledgers.values()))
         replies = list(pool.map(lambda name: call(everyone[name], "CommitShardMap", pb.CommitShardMapRequest(
-            version=target.version)), list(everyone)))
+            version=target.version, ledger=handed if name in target.shards else "")), list(everyone)))
     report.deleted_rows = sum(int(r.deleted_rows) for r in replies)
     report.pause_seconds = time.monotonic() - t_freeze
     client._adopt(target)
     client._refresh_tables()
     report.total_seconds = time.monotonic() - t_start
     return report
+
+
+def _merge_ledgers(ledgers: Sequence[str]) -> str:
+    """The write ledgers of the shards that leave, as one (per incarnation, the higher durable sequence)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for text in ledgers:
+        if not text:
+            continue
+        for inc, rec in json.loads(text)["incarnations"].items():
+            if inc not in merged or rec["durable_seq"] > merged[inc]["durable_seq"]:
+                merged[inc] = rec
+    return json.dumps({"incarnations": merged}) if merged else ""
 
 
 def _progress(show: bool, version: int, what: str) -> Any:

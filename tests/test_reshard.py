@@ -329,3 +329,32 @@ def _map_version(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         state = pb_grpc.EmbeddingCacheServiceStub(channel).GetShardMap(pb.GetShardMapRequest(), timeout=30)
     return ShardMap.from_json(state.current).version if state.current else 0
+
+
+def test_flush_settles_the_writes_of_a_shard_that_left_and_reports_what_its_crash_lost(
+        fleet: list[LocalServer]) -> None:
+    """A removed shard's acknowledged writes are answered for by the shards that took its rows."""
+    from embcache.client import DataLossError
+
+    a, b, c = (s.address for s in fleet)
+    keys = np.arange(N_KEYS)
+    with Client([a, b, c], timeout=60, connect_timeout=START_TIMEOUT) as client:
+        on_c = keys[client.shard_of(keys) == 2]
+        client.assign("t", keys, torch.zeros(N_KEYS, 8))
+        client.flush()
+        client.assign("t", on_c, torch.ones(on_c.size, 8))  # acknowledged by c, not flushed
+        fleet[2].kill()  # ... and lost: c restarts without it
+        fleet[2].start()
+        client.assign("t", on_c[:10], torch.full((10, 8), 2.0))  # acknowledged by c's new process
+        client.reshard([a, b], progress=False)  # c leaves the fleet; its rows move to a and b
+        fleet[2].stop()  # and is gone: nobody can ask it any more
+        t0 = time.monotonic()
+        with pytest.raises(DataLossError) as info:
+            client.flush()
+        assert time.monotonic() - t0 < 30  # answered by a and b, not waiting for c
+        assert info.value.lost_writes == 1 and info.value.address == c  # the write c's crash lost, only
+        client.flush()  # reported once; the new process's write was flushed before c left
+        rows = client.lookup("t", on_c)
+        assert torch.equal(rows[:10], torch.full((10, 8), 2.0))
+        # the rest hold the flushed zeros, or the ones where c had written them back before it crashed
+        assert bool(((rows[10:] == 0).all(dim=1) | (rows[10:] == 1).all(dim=1)).all())

@@ -11,7 +11,10 @@ the earlier ones:
 - the running incarnation: after this flush, everything it acknowledged is durable;
 - an earlier one: durable up to the sequence its last recorded flush (or its clean shutdown)
   covered; under ``--sync`` every acknowledged write of it;
-- one the file does not know (another path, a deleted file): nothing proven durable.
+- one the file does not know (another path, a deleted file): nothing proven durable;
+- one of a shard that left the fleet: the reshard that moved its rows here flushed it and handed
+  its record over (:meth:`WriteLedger.records` and :meth:`WriteLedger.adopt`), so the shards
+  that keep its rows answer for the writes it acknowledged.
 
 A client asks, in each Flush and Checkpoint, about the incarnations it holds receipts of, and
 compares: a receipt above its incarnation's durable sequence is an acknowledged write that may be
@@ -80,12 +83,16 @@ class WriteLedger:
                                            "clean": False}
         self._save()
 
+    @staticmethod
+    def _parse(raw: bytes | str) -> dict[int, dict[str, float | int | bool]]:
+        data = json.loads(raw)
+        return {int(k): {"durable_seq": int(v["durable_seq"]), "started": float(v.get("started", 0.0)),
+                         "clean": bool(v.get("clean", False))} for k, v in data["incarnations"].items()}
+
     def _load(self) -> dict[int, dict[str, float | int | bool]]:
         try:
             with open(self._path, "rb") as f:
-                raw = json.loads(f.read())
-            return {int(k): {"durable_seq": int(v["durable_seq"]), "started": float(v.get("started", 0.0)),
-                             "clean": bool(v.get("clean", False))} for k, v in raw["incarnations"].items()}
+                return self._parse(f.read())
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -141,6 +148,35 @@ class WriteLedger:
         self.durable(seq)
         if self._sync or seq == 0:
             self._save()  # durable() wrote nothing: keep the clean mark anyway
+
+    def records(self) -> str:
+        """Every incarnation this ledger knows, with what is durable of each, as JSON (for :meth:`adopt`)."""
+        with self._lock:
+            return json.dumps({"incarnations": {str(k): dict(v) for k, v in self._records.items()}})
+
+    def adopt(self, records: str) -> int:
+        """Keep the records of another server's ledger (a shard that left the fleet): how many were new or raised.
+
+        A record never goes down: the higher durable sequence of the two wins.
+
+        Raises:
+            ValueError: ``records`` is not what :meth:`records` writes.
+        """
+        try:
+            theirs = self._parse(records)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"malformed ledger records: {exc}") from None
+        changed = 0
+        with self._lock:
+            for inc, rec in theirs.items():
+                mine = self._records.get(inc)
+                if inc == self.incarnation or (mine is not None and mine["durable_seq"] >= rec["durable_seq"]):
+                    continue
+                self._records[inc] = rec
+                changed += 1
+        if changed:
+            self._save()
+        return changed
 
     @property
     def sequence(self) -> int:

@@ -30,6 +30,7 @@ import torch
 from ..cache import EmbeddingCache
 from ..errors import (
     CacheClosedError,
+    ConfigError,
     EmbcacheError,
     InvalidGradientError,
     InvalidKeysError,
@@ -591,19 +592,26 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         yield from self._run_stream("ResidentKeys", context, stream())
 
     # ------------------------------------------------------------------ resharding
-    def _map_state(self) -> pb.ShardMapState:
+    def _map_state(self, ledger: bool = False) -> pb.ShardMapState:
         current, pending, name, frozen = self._gate.state()
-        return pb.ShardMapState(current=current, pending=pending, name=name, frozen=frozen)
+        return pb.ShardMapState(current=current, pending=pending, name=name, frozen=frozen,
+                                ledger=self._ledger.records() if ledger else "")
 
     def GetShardMap(self, request: pb.GetShardMapRequest, context: grpc.ServicerContext) -> pb.ShardMapState:
         """The shard map in force, the pending one and this server's name."""
         return self._run("GetShardMap", context, self._map_state)
 
     def SetShardMap(self, request: pb.SetShardMapRequest, context: grpc.ServicerContext) -> pb.ShardMapState:
-        """Install the fleet's map and begin a migration to the pending one (idempotent)."""
+        """Install the fleet's map and begin a migration to the pending one (idempotent).
+
+        Freezing also flushes and hands back this server's write ledger, for the shards that keep
+        its rows to answer for the writes it acknowledged once it has left the fleet.
+        """
         def set_map() -> pb.ShardMapState:
             self._gate.set_map(request.name, request.current, request.pending, request.freeze)
-            return self._map_state()
+            if request.freeze:
+                self._durability.flush()
+            return self._map_state(ledger=request.freeze)
         return self._run("SetShardMap", context, set_map)
 
     def ExportRows(self, request: pb.ExportRowsRequest,
@@ -639,6 +647,11 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
                        context: grpc.ServicerContext) -> pb.CommitShardMapResponse:
         """Adopt the pending map and delete the rows that left this shard (idempotent)."""
         def commit() -> pb.CommitShardMapResponse:
+            if request.ledger:
+                try:
+                    self._ledger.adopt(request.ledger)
+                except ValueError as exc:
+                    raise ConfigError(f"CommitShardMap: {exc}") from None
             deleted = self._gate.commit(request.version)
             return pb.CommitShardMapResponse(state=self._map_state(), deleted_rows=deleted)
         return self._run("CommitShardMap", context, commit)

@@ -378,16 +378,18 @@ class ResidentKeysResponse(_message.Message):
     def __init__(self, keys: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ShardMapState(_message.Message):
-    __slots__ = ("current", "pending", "name", "frozen")
+    __slots__ = ("current", "pending", "name", "frozen", "ledger")
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     FROZEN_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
     current: str
     pending: str
     name: str
     frozen: bool
-    def __init__(self, current: _Optional[str] = ..., pending: _Optional[str] = ..., name: _Optional[str] = ..., frozen: _Optional[bool] = ...) -> None: ...
+    ledger: str
+    def __init__(self, current: _Optional[str] = ..., pending: _Optional[str] = ..., name: _Optional[str] = ..., frozen: _Optional[bool] = ..., ledger: _Optional[str] = ...) -> None: ...
 
 class GetShardMapRequest(_message.Message):
     __slots__ = ()
@@ -450,10 +452,12 @@ class ImportRowsResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class CommitShardMapRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "ledger")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    ledger: str
+    def __init__(self, version: _Optional[int] = ..., ledger: _Optional[str] = ...) -> None: ...
 
 class CommitShardMapResponse(_message.Message):
     __slots__ = ("state", "deleted_rows")
