@@ -280,7 +280,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remove", action="append", default=[], metavar="HOST:PORT",
                    help="a shard to remove (repeatable; its rows move to the others)")
     p.add_argument("--token", help="bearer token (read-write)")
-    p.add_argument("--tls-ca", help="CA (PEM file) of the servers' certificates")
+    p.add_argument("--tls-ca", help="CA (PEM file) of the servers' certificates (enables TLS)")
+    p.add_argument("--tls-cert", help="client certificate (PEM file), for mutual TLS")
+    p.add_argument("--tls-key", help="client key (PEM file), for mutual TLS")
+    p.add_argument("--tls-server-name", help="name to check the servers' certificates against")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -310,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
             for n in gone:
                 del new[n]
     try:
-        with Client(now, token=args.token, tls_ca=args.tls_ca) as client:
+        with Client(now, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                    tls_server_name=args.tls_server_name) as client:
             report = reshard(client, new, progress=not args.no_progress)
     except EmbcacheError as exc:
         print(f"embcache reshard: {type(exc).__name__}: {exc}\nRun the same command again to resume.")
