@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,9 +136,36 @@ class TableConfig:
         return [f for f in fields_ if getattr(self, f) != getattr(other, f)]
 
 
+_CGROUP_MEMORY_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def memory_limit_bytes(paths: Sequence[str] = _CGROUP_MEMORY_FILES) -> int | None:
+    """The memory limit of this process's cgroup (a container's limit) in bytes, or None when it has none.
+
+    Reads cgroup v2's ``memory.max``, else v1's ``memory.limit_in_bytes``.
+    """
+    for path in paths:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text == "max" or not text.isdigit():
+            return None
+        value = int(text)
+        return value if value < _NO_LIMIT else None
+    return None
+
+
 def machine_memory_bytes() -> int:
-    """Total physical memory of this machine in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Memory this process may use in bytes: the machine's physical memory, or its container's limit if lower.
+
+    Default tier sizes are fractions of it, so a pod without explicit sizes fits its limit.
+    """
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = memory_limit_bytes()
+    return physical if limit is None else min(physical, limit)
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -156,8 +183,8 @@ class CacheConfig:
         hbm_bytes: bytes of the hot tier (on ``device``) shared by all tables, split by
             ``TableConfig.memory_share``; None = 1/8 of the device memory (CPU: of RAM), capped at 4 GiB.
             0 disables the tier.
-        ddr_bytes: bytes of the warm tier in host memory (pinned with CUDA); None = 1/8 of RAM,
-            capped at 8 GiB. 0 disables the tier.
+        ddr_bytes: bytes of the warm tier in host memory (pinned with CUDA); None = 1/8 of RAM (of
+            the cgroup memory limit where lower), capped at 8 GiB. 0 disables the tier.
         path: directory of the cold-tier store (created if missing; reopened if it exists).
         store: "rocksdb" (default) or "lmdb".
         device: device of the hot tier; None = "cuda" when available, else "cpu".

@@ -286,7 +286,8 @@ def test_metrics_endpoint(served: Served) -> None:
     assert re.search(r"^embcache_migration_pending 0", text, re.M)
 
 
-def test_memory_limit_is_read_from_the_cgroup_files(tmp_path: Path) -> None:
+def test_memory_limit_is_read_from_the_cgroup_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from embcache import config
     from embcache.server.procmetrics import memory_limit_bytes
 
     v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
@@ -296,6 +297,11 @@ def test_memory_limit_is_read_from_the_cgroup_files(tmp_path: Path) -> None:
     assert memory_limit_bytes([str(tmp_path / "absent"), str(v2)]) == 8 << 30
     v1.write_text("9223372036854771712\n")  # cgroup v1's "no limit"
     assert memory_limit_bytes([str(v1)]) is None
+    # default tier sizes are fractions of the container's limit where it is below the machine's memory
+    v2.write_text(f"{1 << 30}\n")
+    monkeypatch.setattr(config.memory_limit_bytes, "__defaults__", ((str(v2),),))
+    assert config.machine_memory_bytes() == 1 << 30
+    assert config.CacheConfig(path=str(tmp_path / "p")).resolved_ddr_bytes() == (1 << 30) // 8
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_server_keeps_serving(served: Served) -> None:

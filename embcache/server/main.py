@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", help="store directory (default ./embcache-data)")
     p.add_argument("--store", choices=["rocksdb", "lmdb"], help="cold-tier store (default rocksdb)")
     p.add_argument("--hbm-bytes", type=int, help="hot tier bytes (default: 1/8 of the device memory, at most 4 GiB)")
-    p.add_argument("--ddr-bytes", type=int, help="warm tier bytes (default: 1/8 of RAM, at most 8 GiB)")
+    p.add_argument("--ddr-bytes", type=int,
+                   help="warm tier bytes (default: 1/8 of RAM, or of the container's memory limit, at most 8 GiB)")
     p.add_argument("--device", help="device of the hot tier (default cuda if available, else cpu)")
     p.add_argument("--max-batch-keys", type=int, help="largest batch per table per call (default 2**24)")
     p.add_argument("--table", action="append", default=[], metavar="SPEC",

@@ -11,29 +11,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
+from ..config import memory_limit_bytes
+
 __all__ = ["memory_limit_bytes", "register_process_metrics"]
-
-_CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
-
-
-def memory_limit_bytes(paths: Sequence[str] = _CGROUP_FILES) -> int | None:
-    """The memory limit of this process's cgroup in bytes, or None when it has none (or it cannot be read)."""
-    for path in paths:
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text == "max" or not text.isdigit():
-            return None
-        value = int(text)
-        return value if value < _UNLIMITED else None
-    return None
-
 
 class _Collector:
     def __init__(self, version: str) -> None:
