@@ -19,7 +19,7 @@ import torch
 from .errors import ConfigError
 from .types import Initializer, Optimizer, PolicyName, StorageDtype, StoreKind
 
-__all__ = ["CacheConfig", "ScoreFn", "TableConfig", "device_memory_bytes", "machine_memory_bytes"]
+__all__ = ["CacheConfig", "ScoreFn", "TableConfig", "device_memory_bytes", "machine_memory_bytes", "memory_limit_bytes"]
 
 #: A user-supplied eviction score: ``fn(freq, last, now) -> score`` over tensors of resident rows
 #: (``freq`` float64 aged frequency, ``last`` int64 tick of the last access, ``now`` the current

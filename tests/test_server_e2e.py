@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embcache import TableConfig
 from embcache.client import Client, PermissionDeniedError, UnauthenticatedError, UnavailableError
-from embcache.errors import EmbcacheError
+from embcache.errors import ConfigError, EmbcacheError
 from embcache.rpc import codec
 from embcache.rpc.errors import ERROR_TYPE_KEY, NOT_APPLIED_KEY
 from embcache.rpc.v1 import embcache_pb2 as pb
@@ -763,3 +763,41 @@ def test_hybrid_parallel_replica_check_sees_a_rank_that_differs(tmp_path: Path) 
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
         assert "verdicts [True, False]" in out, out[-3000:]  # rank 0 sees rank 1's drift too
+
+
+def test_settings_are_typed_take_units_and_environment_overrides(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from embcache.server.main import load_settings, main, parse_size
+
+    assert parse_size("4GiB", "x") == 4 << 30 and parse_size("512 MB", "x") == 512 * 10**6
+    assert parse_size("1.5GiB", "x") == 3 << 29 and parse_size(1024, "x") == 1024 and parse_size("64k", "x") == 65536
+    for bad in ("4 parsecs", "GiB", "", True, 1.5):
+        with pytest.raises(ConfigError, match="size in bytes"):
+            parse_size(bad, "x")
+    config = tmp_path / "s.toml"
+    config.write_text('metrics_port = 9401\nmax_message_bytes = "32MiB"\n[cache]\nhbm_bytes = "2MiB"\n'
+                      'ddr_bytes = "1 GB"\n')
+    s, _ = load_settings(["--config", str(config)])
+    assert (s.metrics_port, s.max_message_bytes, s.cache["hbm_bytes"], s.cache["ddr_bytes"]) == (
+        9401, 32 << 20, 2 << 20, 10**9)
+    # the environment overrides the file, flags override both
+    monkeypatch.setenv("EMBCACHE_METRICS_PORT", "9402")
+    monkeypatch.setenv("EMBCACHE_HBM_BYTES", "3MiB")
+    monkeypatch.setenv("EMBCACHE_SYNC", "true")
+    s, _ = load_settings(["--config", str(config), "--ddr-bytes", "4GiB"])
+    assert (s.metrics_port, s.cache["hbm_bytes"], s.cache["ddr_bytes"], s.sync) == (9402, 3 << 20, 4 << 30, True)
+    s, _ = load_settings(["--config", str(config), "--metrics-port", "9403"])
+    assert s.metrics_port == 9403
+    monkeypatch.delenv("EMBCACHE_METRICS_PORT")
+    monkeypatch.delenv("EMBCACHE_HBM_BYTES")
+    monkeypatch.delenv("EMBCACHE_SYNC")
+    # a wrongly typed value names its key and exits with status 2, no traceback
+    for text, key in (('metrics_port = "-1"', "metrics_port"), ("grace_seconds = \"soon\"", "grace_seconds"),
+                      ('[cache]\nhbm_bytes = "lots"', "cache.hbm_bytes"), ("listen = 50051", "listen")):
+        config.write_text(text + "\n")
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_settings(["--config", str(config)])
+        out = subprocess.run([sys.executable, "-m", "embcache.server", "--config", str(config)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr and key in out.stderr, out.stderr
+    assert main is not None

@@ -64,7 +64,11 @@ cut-off client never pins rows for longer. A held lease costs no server thread.
 Diagnostics: ``kill -USR1 PID`` prints every thread's stack to stderr; a shutdown still running
 30 s after its drain and grace prints them too (every 30 s until it ends).
 
-Config file (TOML, or JSON when the name ends in .json); flags override it:
+Config file (TOML, or JSON when the name ends in .json); EMBCACHE_<SETTING> environment variables
+(EMBCACHE_METRICS_PORT, EMBCACHE_HBM_BYTES, EMBCACHE_PATH, ...: any key below, [cache] fields by
+their own name) override it, and flags override both. Every value is checked against its type
+(a wrong one stops the server with exit status 2 and names the key); sizes in bytes also take
+units: "4GiB", "512MB" (KiB/MiB/GiB/TiB: powers of 1024; KB/MB/GB/TB: of 1000).
 
     listen = "127.0.0.1:50051"
     metrics_port = 9400                # -1: no metrics server; 0: a free port
@@ -256,6 +260,110 @@ def _settings_from_dict(data: Mapping[str, Any]) -> ServerSettings:
     return s
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+#: Settings (and CacheConfig fields) that are sizes in bytes: they also take units ("4GiB", "512 MB").
+_SIZES = {"max_message_bytes", "hbm_bytes", "ddr_bytes", "block_cache_bytes"}
+
+
+def parse_size(value: Any, what: str) -> int:
+    """Bytes from an integer or a string with a unit (``"4GiB"``, ``"512MB"``, ``"1.5 GiB"``; KiB/MiB/GiB/TiB
+    are powers of 1024, KB/MB/GB/TB of 1000).
+
+    Raises:
+        ConfigError: not a size.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().replace("_", "").replace(" ", "")
+        number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        unit = text[len(number):].lower()
+        try:
+            if unit in _UNITS and number:
+                return int(float(number) * _UNITS[unit])
+        except ValueError:
+            pass
+    raise ConfigError(f"{what}={value!r}: expected a size in bytes, e.g. 1073741824, \"1GiB\" or \"512MB\"")
+
+
+def _typed(what: str, value: Any, annotation: str, from_text: bool = False, field: str = "") -> Any:
+    """``value`` checked against a field's annotation; ``from_text``: an environment variable's text, converted.
+
+    Raises:
+        ConfigError: the value has another type, saying which was expected.
+    """
+    kinds = [k.strip() for k in str(annotation).split("|")]
+    if value is None and "None" in kinds:
+        return None
+    base = kinds[0]
+    if (field or what.rsplit(".", 1)[-1]) in _SIZES:
+        return parse_size(value, what)
+    text = from_text and isinstance(value, str)
+    try:
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            if text and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return value.lower() in ("1", "true", "yes", "on")
+        elif base == "int":
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if text and value.strip().lstrip("-").isdigit():
+                return int(value)
+        elif base == "float":
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if text:
+                return float(value)
+        elif base == "str":
+            if isinstance(value, str):
+                return value
+        else:
+            return value
+    except ValueError:
+        pass
+    raise ConfigError(f"{what}={value!r}: expected {' or '.join(kinds)}, got {type(value).__name__}")
+
+
+def _check_types(s: ServerSettings) -> None:
+    """Every setting, and every [cache] field, of the type its dataclass declares (sizes may carry units).
+
+    Raises:
+        ConfigError: a wrongly typed value, named with its key.
+    """
+    for f in dataclasses.fields(ServerSettings):
+        if f.name in ("cache", "tables"):
+            continue
+        value = getattr(s, f.name)
+        if str(f.type).startswith("list"):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{f.name}={value!r}: expected a list of file names")
+            continue
+        setattr(s, f.name, _typed(f.name, value, str(f.type)))
+    cache_types = {f.name: str(f.type) for f in dataclasses.fields(CacheConfig)}
+    for key, value in list(s.cache.items()):
+        if key in cache_types:
+            s.cache[key] = _typed(f"cache.{key}", value, cache_types[key])
+
+
+def _from_environment(s: ServerSettings, environ: Mapping[str, str]) -> None:
+    """``EMBCACHE_<SETTING>`` (e.g. EMBCACHE_METRICS_PORT) and ``EMBCACHE_<CACHE FIELD>`` (e.g. EMBCACHE_HBM_BYTES,
+    EMBCACHE_PATH) override the config file; flags override them.
+
+    Raises:
+        ConfigError: a variable's text is not of its setting's type.
+    """
+    for f in dataclasses.fields(ServerSettings):
+        key = f"EMBCACHE_{f.name.upper()}"
+        if key in environ and f.name not in ("cache", "tables") and not str(f.type).startswith("list"):
+            setattr(s, f.name, _typed(key, environ[key], str(f.type), from_text=True, field=f.name))
+    for f in dataclasses.fields(CacheConfig):
+        key = f"EMBCACHE_{f.name.upper()}"
+        if key in environ and not hasattr(s, f.name):
+            s.cache[f.name] = _typed(key, environ[key], str(f.type), from_text=True, field=f.name)
+
+
 def _parse_table(spec: str) -> TableConfig:
     """``name=user,dim=64,optimizer=adagrad`` -> TableConfig (values typed by the dataclass fields)."""
     types = {f.name: f.type for f in dataclasses.fields(TableConfig)}
@@ -279,8 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051; port 0 picks a free port)")
     p.add_argument("--path", help="store directory (default ./embcache-data)")
     p.add_argument("--store", choices=["rocksdb", "lmdb"], help="cold-tier store (default rocksdb)")
-    p.add_argument("--hbm-bytes", type=int, help="hot tier bytes (default: 1/8 of the device memory, at most 4 GiB)")
-    p.add_argument("--ddr-bytes", type=int,
+    p.add_argument("--hbm-bytes", help="hot tier size, bytes or with a unit like 2GiB (default: 1/8 of the device "
+                                       "memory, at most 4 GiB)")
+    p.add_argument("--ddr-bytes",
                    help="warm tier bytes (default: 1/8 of RAM, or of the container's memory limit, at most 8 GiB)")
     p.add_argument("--device", help="device of the hot tier (default cuda if available, else cpu)")
     p.add_argument("--max-batch-keys", type=int, help="largest batch per table per call (default 2**24)")
@@ -288,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a table to open or create, e.g. name=user,dim=64,optimizer=adagrad,lr=0.05 (repeatable)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9400; 0 = free port, -1 = none)")
     p.add_argument("--metrics-host", help="Prometheus bind address (default 127.0.0.1)")
-    p.add_argument("--max-message-bytes", type=int, help="largest message either way (default 64 MiB)")
+    p.add_argument("--max-message-bytes", help="largest message either way (default 64 MiB)")
     p.add_argument("--max-lease-seconds", type=float,
                    help="longest time-to-live of a batch lease: a client that stops renewing its leases pins "
                         "rows at most this long (default 600)")
@@ -319,6 +428,7 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
     """
     args = build_parser().parse_args(argv)
     s = _settings_from_dict(_read_config(args.config)) if args.config else ServerSettings()
+    _from_environment(s, os.environ)
     overrides = {"listen": args.listen, "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                  "max_message_bytes": args.max_message_bytes, "max_lease_seconds": args.max_lease_seconds,
                  "workers": args.workers,
@@ -343,6 +453,7 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
         t = _parse_table(spec)
         given[t.name] = t
     s.tables = list(given.values())
+    _check_types(s)
     if bool(s.tls_cert) != bool(s.tls_key):
         raise ConfigError("TLS needs both --tls-cert and --tls-key")
     if s.tls_client_ca and not s.tls_cert:
