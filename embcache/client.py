@@ -755,7 +755,7 @@ class Client:
         self._pass_incarnations: dict[str, int] = {}  # shard name -> the process that holds this client's pass
         try:
             self._refresh_tables(timeout=connect_timeout)
-            if self._topo.map.version == 0:
+            if self._topo.map.version == 0 and len(self._topo.shards) > 1:  # one shard: nothing to disagree about
                 self._install_map(connect_timeout)
         except BaseException:
             self.close()
@@ -820,6 +820,12 @@ class Client:
                 return False
             # a shard this client knows keeps its channel (and the address this client reaches it at)
             kept = {s.name: s for s in [*old.shards, *self._retired]}
+            if len(new.shards) == 1 and len(old.shards) == 1 and next(iter(new.shards)) not in kept:
+                # the one server this client reached holds a one-shard map naming it otherwise (the
+                # address it was first reached at): it is that shard
+                only = old.shards[0]
+                kept[next(iter(new.shards))] = _Shard(next(iter(new.shards)), only.address, only.channel, only.stub,
+                                                      only.raw)
             shards = [kept.pop(n) if n in kept else self._connect(n, a) for n, a in new.shards.items()]
             self._retired = [s for s in kept.values()]
             self._topo = _Topology(shards, new.ring, new)

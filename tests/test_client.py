@@ -1020,3 +1020,17 @@ def test_shards_from_an_injected_resolver_and_refresh(fresh_three: list[LocalSer
         Client([s.address for s in three_shards], expected_shards=2)
     with Client([three_shards[0].address]) as c, pytest.raises(ValueError, match="dns:///"):
         c.refresh_shards()
+
+
+def test_a_single_server_reached_at_another_address_is_still_that_server(tmp_path: Path) -> None:
+    """A one-server fleet holds no routing to disagree about: a client at an alias of its address works."""
+    server = LocalServer(tmp_path / "s", tables=["name=t,dim=4"], workdir=tmp_path / "run",
+                         start_timeout=START_TIMEOUT).start()
+    try:
+        alias = f"localhost:{server.port}"
+        with Client([server.address], timeout=60) as first, Client([alias], timeout=60) as second:
+            first.assign("t", [1, 2], torch.ones(2, 4))
+            assert torch.equal(second.lookup("t", [1, 2]), torch.ones(2, 4))
+            assert second.servers == {alias: alias}
+    finally:
+        server.stop()
