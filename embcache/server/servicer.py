@@ -68,6 +68,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].full_name
 # into views of those bytes) and the Lookup reply leaves as bytes joined once from the rows' memory.
 _RAW_REQUESTS = frozenset({"Lookup", "ApplyGradients", "Assign"})
 _RAW_RESPONSES = frozenset({"Lookup"})
+_NAME_MAX, _PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
 
 #: Methods that change rows, tables, passes, pins or files; a read-only token may call the others.
 WRITE_METHODS = frozenset({"CreateTable", "ApplyGradients", "ApplyGradientsStream", "Assign", "AssignStream",
@@ -301,6 +302,12 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         self._observe(method, code.name, time.perf_counter() - t0)
         context.set_trailing_metadata(tuple(meta))
         context.abort(code, message)
+
+    def refuse_malformed(self, method: str, context: grpc.ServicerContext, message: str) -> None:
+        """Abort a call whose request bytes are no valid message: INVALID_ARGUMENT, InvalidKeysError, not applied."""
+        self._observe(method, "INVALID_ARGUMENT", 0.0)
+        context.set_trailing_metadata(((ERROR_TYPE_KEY, InvalidKeysError.__name__), (NOT_APPLIED_KEY, "1")))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     def _refuse_if_stopping(self, method: str, context: grpc.ServicerContext, t0: float) -> None:
         if self._stopping.is_set():
@@ -661,8 +668,69 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
+class _Malformed:
+    """What a request deserializer hands the handler for bytes that are no valid request (it never raises).
+
+    gRPC answers a deserializer's exception with INTERNAL ("Exception deserializing request!")
+    and no metadata; the handler refuses this with INVALID_ARGUMENT and the error type instead.
+    """
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _parser(request_type: Any) -> Callable[[bytes], Any]:
+    """``request_type.FromString`` that returns a :class:`_Malformed` instead of raising."""
+    name = request_type.DESCRIPTOR.name
+
+    def parse(data: bytes) -> Any:
+        try:
+            request = request_type.FromString(data)
+        except Exception as exc:  # DecodeError, or whatever else the parser raises on garbage
+            return _Malformed(f"malformed {name}: {exc or 'not a valid protobuf message'}")
+        problem = _checkpoint_problem(request.directory) if name == "CheckpointRequest" else None
+        return _Malformed(f"malformed {name}: {problem}") if problem else request
+    return parse
+
+
+def _checkpoint_problem(directory: str) -> str | None:
+    """Why ``directory`` can be no path on this system (the OS would refuse it with an OSError), or None."""
+    if "\0" in directory:
+        return "the directory name holds a NUL character"
+    if len(directory.encode()) >= _PATH_MAX or any(len(p.encode()) > _NAME_MAX for p in directory.split("/")):
+        return f"the directory name is longer than a path ({_PATH_MAX} bytes) or a name in it ({_NAME_MAX}) may be"
+    return None
+
+
+def _checked(requests: Iterator[Any]) -> Iterator[Any]:
+    """A request stream whose malformed message raises InvalidKeysError where the handler reads it."""
+    for request in requests:
+        if isinstance(request, _Malformed):
+            raise InvalidKeysError(request.message)
+        yield request
+
+
+def _guarded(servicer: EmbeddingCacheServicer, name: str, streaming: bool) -> Callable[[Any, Any], Any]:
+    """The servicer's method ``name``, refusing a malformed request with INVALID_ARGUMENT before it runs."""
+    method = getattr(servicer, name)
+    if streaming:
+        return lambda requests, context: method(_checked(requests), context)
+
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            servicer.refuse_malformed(name, context, request.message)
+        return method(request, context)
+    return unary
+
+
 def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server) -> None:
-    """Register the servicer, with bytes in and out for the hot calls (the generated helper would parse them)."""
+    """Register the servicer, with bytes in and out for the hot calls (the generated helper would parse them).
+
+    Every request deserializer returns instead of raising: bytes that are no valid request get
+    INVALID_ARGUMENT (InvalidKeysError, "malformed ..."), never gRPC's own INTERNAL.
+    """
     handlers = {}
     make = {(False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
@@ -672,8 +740,8 @@ def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server) -> None
         request_type = getattr(pb, method.input_type.name)
         response_type = getattr(pb, method.output_type.name)
         handlers[method.name] = make[(method.client_streaming, method.server_streaming)](
-            getattr(servicer, method.name),
-            request_deserializer=_identity if method.name in _RAW_REQUESTS else request_type.FromString,
+            _guarded(servicer, method.name, method.client_streaming),
+            request_deserializer=_identity if method.name in _RAW_REQUESTS else _parser(request_type),
             response_serializer=_identity if method.name in _RAW_RESPONSES else response_type.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
