@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import struct
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,12 +25,14 @@ from embcache.rpc import codec
 from embcache.rpc.errors import ERROR_TYPE_KEY
 from embcache.rpc.v1 import embcache_pb2 as pb
 from embcache.server.local import LocalServer
-from embcache.server.servicer import SERVICE_NAME
+from embcache.server.main import build_parser
+from embcache.server.servicer import ROLES, SERVICE_NAME, roles_text
 
 START_TIMEOUT = 300
 METHODS = {m.name: m for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods}
 KEYS = np.arange(16, dtype=np.int64)
-CASES_PER_METHOD = 60  # x 20 methods: 1,200 cases, plus the fixed malformed ones
+RW_TOKEN, RO_TOKEN = "fuzz-rw", "fuzz-ro"
+CASES_PER_METHOD = 60  # x 25 methods: 1,500 cases, plus the fixed malformed ones
 
 
 def _t(values: Any, dtype: Any = np.int64) -> pb.Tensor:
@@ -64,6 +67,13 @@ def _seeds() -> dict[str, list[list[bytes]]]:
         "Checkpoint": [pb.CheckpointRequest(directory="ck")],
         "Stats": [pb.StatsRequest()],
         "ResidentKeys": [pb.ResidentKeysRequest(table="fuzz", tier="ddr")],
+        # the resharding calls, with no migration pending: each is refused (and changes no map)
+        "GetShardMap": [pb.GetShardMapRequest()],
+        "SetShardMap": [pb.SetShardMapRequest(name="s0", current="{not a map", pending="")],
+        "ExportRows": [pb.ExportRowsRequest(table="fuzz", pending_version=999, batch_rows=16)],
+        "ImportRows": [pb.ImportRowsRequest(table="fuzz", pending_version=999, keys=_t(KEYS[:2]),
+                                            records=b"\0" * 64, freq=_t([1.0, 2.0], np.float32))],
+        "CommitShardMap": [pb.CommitShardMapRequest(version=999)],
     }
     seeds = {name: [[m.SerializeToString()] for m in msgs] for name, msgs in one.items()}
     seeds["ApplyGradientsStream"] = [[pb.ApplyGradientsRequest(tables=[_values()]).SerializeToString()] * 2]
@@ -163,7 +173,8 @@ def _mutate(data: bytes, rng: random.Random, other: bytes) -> bytes:
 class Fuzzer:
     """Sends raw bytes to every method over one channel and records the status codes."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, token: str = RW_TOKEN) -> None:
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._calls: dict[str, Callable[[list[bytes]], Any]] = {}
         for name, m in METHODS.items():
             path = f"/{SERVICE_NAME}/{name}"
@@ -171,14 +182,15 @@ class Fuzzer:
                     (True, False): channel.stream_unary, (True, True): channel.stream_stream}[
                 (m.client_streaming, m.server_streaming)]
             rpc = kind(path, request_serializer=None, response_deserializer=None)
-            self._calls[name] = self._wrap(rpc, m.client_streaming, m.server_streaming)
+            self._calls[name] = self._wrap(rpc, m.client_streaming, m.server_streaming, self._metadata)
         self.codes: dict[str, dict[str, int]] = {}
 
     @staticmethod
-    def _wrap(rpc: Any, client_streaming: bool, server_streaming: bool) -> Callable[[list[bytes]], Any]:
+    def _wrap(rpc: Any, client_streaming: bool, server_streaming: bool,
+              metadata: Any) -> Callable[[list[bytes]], Any]:
         def call(messages: list[bytes]) -> Any:
             body: Any = iter(messages) if client_streaming else messages[0]
-            reply = rpc(body, timeout=30)
+            reply = rpc(body, timeout=30, metadata=metadata)
             return list(reply) if server_streaming else reply
         return call
 
@@ -199,22 +211,28 @@ class Fuzzer:
 
 def _rows(channel: grpc.Channel, table: str) -> bytes:
     reply = channel.unary_unary(f"/{SERVICE_NAME}/Lookup")(
-        pb.LookupRequest(tables=[pb.TableKeys(table=table, keys=_t(KEYS))]).SerializeToString(), timeout=30)
+        pb.LookupRequest(tables=[pb.TableKeys(table=table, keys=_t(KEYS))]).SerializeToString(), timeout=30,
+        metadata=(("authorization", f"Bearer {RW_TOKEN}"),))
     return bytes(reply)
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalServer, grpc.Channel]]:
     base = tmp_path_factory.mktemp("fuzz")
+    (base / "rw.txt").write_text(f"{RW_TOKEN}\n")
+    (base / "ro.txt").write_text(f"{RO_TOKEN}\n")
     server = LocalServer(base / "store", tables=["name=keep,dim=4", "name=fuzz,dim=4,optimizer=adagrad"],
                          args=["--hbm-bytes", "200000", "--ddr-bytes", "400000", "--max-batch-keys", "4096",
-                               "--max-message-bytes", "1048576", "--max-lease-seconds", "1"],
+                               "--max-message-bytes", "1048576", "--max-lease-seconds", "1",
+                               "--auth-token-file", str(base / "rw.txt"),
+                               "--auth-readonly-token-file", str(base / "ro.txt")],
                          workdir=base / "run", start_timeout=START_TIMEOUT).start()
     channel = grpc.insecure_channel(server.address)
     assign = channel.unary_unary(f"/{SERVICE_NAME}/Assign")
     for table in ("keep", "fuzz"):
         assign(pb.AssignRequest(tables=[pb.TableValues(table=table, keys=_t(KEYS), values=_t(
-            np.arange(64).reshape(16, 4), np.float32))]).SerializeToString(), timeout=30)
+            np.arange(64).reshape(16, 4), np.float32))]).SerializeToString(), timeout=30,
+            metadata=(("authorization", f"Bearer {RW_TOKEN}"),))
     yield server, channel
     channel.close()
     server.stop()
@@ -268,3 +286,28 @@ def test_fuzzer_of_every_method_gets_no_internal_and_changes_no_row(
     refused = sum(n for codes in fuzzer.codes.values() for code, n in codes.items() if code != "OK")
     assert refused > cases // 2, fuzzer.codes  # most mutations are refused: the fuzzer reaches the checks
     print(f"{cases} cases: {fuzzer.codes}")
+
+
+def test_token_roles_come_from_one_table_that_help_and_readme_show(
+        fuzz_server: tuple[LocalServer, grpc.Channel]) -> None:
+    """ROLES decides: a read-only token's call of a "write" method is refused, of a "read" one served."""
+    _, channel = fuzz_server
+    assert set(ROLES) == set(METHODS)
+    keep = _rows(channel, "keep")
+    seeds = _seeds()
+    read_only, anonymous = Fuzzer(channel, RO_TOKEN), Fuzzer(channel, "")
+    for name, role in sorted(ROLES.items()):
+        err = read_only.send(name, seeds[name][0])
+        if role == "write":
+            assert err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED, (name, err)
+            assert "read-write token" in (err.details() or "")
+        else:
+            assert err is None or err.code() not in (grpc.StatusCode.PERMISSION_DENIED,
+                                                     grpc.StatusCode.UNAUTHENTICATED), (name, err)
+        err = anonymous.send(name, seeds[name][0])
+        assert err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED, (name, err)
+    assert _rows(channel, "keep") == keep
+    assert roles_text() in build_parser().format_help()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- roles:begin -->\n", 1)[1].split("\n<!-- roles:end -->", 1)[0]
+    assert block == roles_text(markdown=True), "README's roles table is stale: paste roles_text(markdown=True)"

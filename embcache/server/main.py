@@ -53,8 +53,9 @@ UNAVAILABLE, marked not applied (embcache.Client resends them, writes included),
 Security: TLS with --tls-cert/--tls-key; mutual TLS adds --tls-client-ca (clients must present a
 certificate signed by it). --auth-token-file requires ``authorization: Bearer <token>`` on every
 cache call (missing or wrong: UNAUTHENTICATED); tokens in --auth-readonly-token-file may only
-call ListTables, Lookup and Stats (others: PERMISSION_DENIED). Health and reflection stay open
-for probes. Token files hold one token per line; EMBCACHE_AUTH_TOKEN adds a read-write token.
+call the methods of role "read" (the table of token roles at the end of this help; others:
+PERMISSION_DENIED). Health and reflection stay open for probes. Token files hold one token per
+line; EMBCACHE_AUTH_TOKEN adds a read-write token.
 
 Batch leases (Client.prefetch_batch, LookAhead over a Client): the rows of a leased batch stay
 pinned until the client releases them, or until the lease goes its time-to-live without a
@@ -120,7 +121,15 @@ from ..rpc.v1 import embcache_pb2 as pb
 from .leases import MIN_TTL_SECONDS, LeaseTable
 from .ledger import WriteLedger
 from .procmetrics import register_process_metrics
-from .servicer import READ_METHODS, SERVICE_NAME, WRITE_METHODS, Durability, EmbeddingCacheServicer, add_to_server
+from .servicer import (
+    READ_METHODS,
+    ROLES,
+    SERVICE_NAME,
+    Durability,
+    EmbeddingCacheServicer,
+    add_to_server,
+    roles_text,
+)
 from .sharding import ShardGate
 
 __all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
@@ -380,7 +389,7 @@ def _parse_table(spec: str) -> TableConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (flags override the config file)."""
-    p = argparse.ArgumentParser(prog="embcache-server", description=__doc__,
+    p = argparse.ArgumentParser(prog="embcache-server", description=__doc__, epilog=roles_text(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"embcache-server {__version__}")
     p.add_argument("--config", help="TOML or JSON config file")
@@ -502,7 +511,7 @@ class _TokenAuth(grpc.ServerInterceptor):
         if token and _matches(token, self._rw):
             return continuation(details)
         if token and _matches(token, self._ro):
-            if name not in WRITE_METHODS:
+            if ROLES.get(name) != "write":  # (a name not in the service: gRPC answers UNIMPLEMENTED)
                 return continuation(details)
             return self._refuse(continuation(details), name, grpc.StatusCode.PERMISSION_DENIED,
                                 f"{name} needs a read-write token; this token may only call "

@@ -57,8 +57,8 @@ from .leases import LeaseTable
 from .ledger import WriteLedger
 from .sharding import ShardGate
 
-__all__ = ["READ_METHODS", "SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer",
-           "add_to_server"]
+__all__ = ["READ_METHODS", "ROLES", "SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer",
+           "add_to_server", "roles_text"]
 
 log = logging.getLogger("embcache.server")
 R = TypeVar("R")
@@ -70,15 +70,48 @@ _RAW_REQUESTS = frozenset({"Lookup", "ApplyGradients", "Assign"})
 _RAW_RESPONSES = frozenset({"Lookup"})
 _NAME_MAX, _PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
 
-#: Methods that change rows, tables, passes, pins or files; a read-only token may call the others.
-WRITE_METHODS = frozenset({"CreateTable", "ApplyGradients", "ApplyGradientsStream", "Assign", "AssignStream",
-                           "Prefetch", "PrefetchStream", "BeginPass", "BeginPassStream", "EndPass",
-                           "PrefetchBatch", "PrefetchBatchStream", "RenewLeases", "ReleaseLeases",
-                           "Flush", "Checkpoint", "GetShardMap", "SetShardMap", "ExportRows", "ImportRows",
-                           "CommitShardMap"})
-#: Methods a read-only token may call.
-READ_METHODS = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods
-                         ) - WRITE_METHODS
+#: The one table of token roles: every method of the service -> the role a bearer token needs to
+#: call it. "read": any token, read-only ones too (the call changes no row, table, pass, pin or
+#: file); "write": read-write tokens only. The server's token check, ``embcache-server --help``,
+#: the README's table (between its ``roles`` markers) and the tests all come from this table.
+#: ResidentKeys is a read: it lists keys and changes nothing. The resharding calls (GetShardMap
+#: ... CommitShardMap) are writes: only the operator's reshard makes them.
+ROLES: dict[str, str] = {
+    "ListTables": "read", "Lookup": "read", "Stats": "read", "ResidentKeys": "read",
+    "CreateTable": "write", "ApplyGradients": "write", "ApplyGradientsStream": "write", "Assign": "write",
+    "AssignStream": "write", "Prefetch": "write", "PrefetchStream": "write", "BeginPass": "write",
+    "BeginPassStream": "write", "EndPass": "write", "PrefetchBatch": "write", "PrefetchBatchStream": "write",
+    "RenewLeases": "write", "ReleaseLeases": "write", "Flush": "write", "Checkpoint": "write",
+    "GetShardMap": "write", "SetShardMap": "write", "ExportRows": "write", "ImportRows": "write",
+    "CommitShardMap": "write",
+}
+_SERVICE_METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods}
+if set(ROLES) != _SERVICE_METHODS or set(ROLES.values()) != {"read", "write"}:  # a new method needs its role
+    raise ImportError(f"ROLES must give every method 'read' or 'write': {sorted(set(ROLES) ^ _SERVICE_METHODS)}")
+#: Methods that change rows, tables, passes, pins or files (role "write").
+WRITE_METHODS = frozenset(m for m, role in ROLES.items() if role == "write")
+#: Methods a read-only token may call (role "read").
+READ_METHODS = frozenset(m for m, role in ROLES.items() if role == "read")
+
+
+def roles_text(markdown: bool = False) -> str:
+    """The token roles of :data:`ROLES` in words: for ``--help``, or as the README's Markdown table."""
+    rows = [("read", "any token (read-only ones too)", sorted(READ_METHODS)),
+            ("write", "read-write tokens only", sorted(WRITE_METHODS))]
+    if markdown:
+        return "\n".join(["| role | who may call | methods |", "| --- | --- | --- |",
+                          *(f"| {role} | {who} | {', '.join(methods)} |" for role, who, methods in rows)])
+    lines = ["Token roles (which bearer token may call which method; embcache.server.servicer.ROLES):"]
+    for role, who, methods in rows:
+        lines.append(f"  {role} - {who}:")
+        text, width = "", 96
+        for m in methods:
+            if text and len(text) + len(m) + 2 > width:
+                lines.append(f"    {text},")
+                text = ""
+            text = f"{text}, {m}" if text else m
+        lines.append(f"    {text}")
+    return "\n".join(lines)
 
 
 class Durability:
