@@ -47,6 +47,7 @@ __all__ = [
     "PermissionDeniedError",
     "RemoteError",
     "ShardRestartedError",
+    "TLSMismatchError",
     "UnauthenticatedError",
     "UnavailableError",
     "error_from_name",
@@ -87,6 +88,13 @@ class UnavailableError(RemoteError):
     For a write (apply_gradients, assign) this means the update may or may not have been
     applied, unless the server said it was refused before it ran (then it was not).
     """
+
+
+class TLSMismatchError(UnavailableError):
+    """The client and a server do not agree on TLS: one speaks plaintext and the other TLS, the
+    server's certificate does not verify against the client's CA (or does not name the server),
+    or the server wants a client certificate the client did not present. Raised by the
+    :class:`~embcache.Client` constructor, whose calls could otherwise only time out."""
 
 
 class DeadlineExceededError(RemoteError):
@@ -174,7 +182,7 @@ _BY_CODE: dict[grpc.StatusCode, type[EmbcacheError]] = {
 
 _REMOTE_TYPES: dict[str, type[EmbcacheError]] = {
     t.__name__: t for t in (RemoteError, UnavailableError, DeadlineExceededError, UnauthenticatedError,
-                            PermissionDeniedError)
+                            PermissionDeniedError, TLSMismatchError)
 }
 
 
