@@ -5,16 +5,25 @@ Real server processes on 127.0.0.1 (:class:`~embcache.server.local.LocalServer`)
 
 from __future__ import annotations
 
+import json
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embcache.client import Client, TLSMismatchError, UnavailableError
 from embcache.errors import StoreFullError
+from embcache.rpc import codec
+from embcache.rpc.errors import ERROR_TYPE_KEY, MAP_VERSION_KEY
+from embcache.rpc.v1 import embcache_pb2 as pb
+from embcache.rpc.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.server.local import LocalServer, wait_serving
 
 START_TIMEOUT = 300  # seconds: server start-up (imports) on a loaded 2-core machine
@@ -82,3 +91,152 @@ def test_a_tls_mismatch_says_tls_at_once(tmp_path: Path) -> None:
     finally:
         tls_server.stop()
         plain_server.stop()
+
+
+# ---------------------------------------------------------------------- overload isolation
+def _stalled_streams(address: str, count: int, release: threading.Event, table: str = "w",
+                     map_version: int = 1) -> tuple[grpc.Channel, list[grpc.Future]]:
+    """``count`` ApplyGradientsStream calls that each send one chunk, then stall until ``release`` is set.
+
+    They carry the shard map version a Client installed on the server (keyed calls need it).
+    """
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.EmbeddingCacheServiceStub(channel)
+    chunk = pb.ApplyGradientsRequest(tables=[pb.TableValues(
+        table=table, keys=codec.encode_tensor(np.arange(4)), values=codec.encode_tensor(np.ones((4, 4), np.float32)))])
+
+    def body() -> Iterator[pb.ApplyGradientsRequest]:
+        yield chunk
+        release.wait(120)
+
+    metadata = ((MAP_VERSION_KEY, str(map_version)),)
+    return channel, [stub.ApplyGradientsStream.future(body(), timeout=120, metadata=metadata) for _ in range(count)]
+
+
+def _lookup_latencies(client: Client, rounds: int, health: Any = None) -> list[float]:
+    keys = torch.arange(512)
+    out = []
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        client.lookup("t", keys)
+        out.append(time.perf_counter() - t0)
+        if health is not None and i % 20 == 0:
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    return out
+
+
+def _p99(values: list[float]) -> float:
+    return float(np.percentile(np.asarray(values), 99))
+
+
+STALLED = 64
+
+
+def test_stalled_streams_take_no_thread_from_lookups_or_health(tmp_path: Path) -> None:
+    """64 client streams that send a chunk and stall: another client's lookups keep their p99, health stays SERVING.
+
+    The streams run on their own pool (4 threads here), the rest wait in its queue holding no
+    thread; once released they all complete (queued, not refused).
+    """
+    server = LocalServer(tmp_path / "store", tables=["name=t,dim=64", "name=w,dim=4"], workdir=tmp_path / "run",
+                         args=["--hbm-bytes", "4000000", "--ddr-bytes", "4000000", "--workers", "8",
+                               "--stream-workers", "4"], start_timeout=START_TIMEOUT).start()
+    release = threading.Event()
+    channel = None
+    try:
+        health_channel = grpc.insecure_channel(server.address)
+        health = health_pb2_grpc.HealthStub(health_channel)
+        with Client([server.address]) as client:
+            before = client.lookup("w", torch.arange(4))
+            _lookup_latencies(client, 50)  # warm-up
+            unloaded = _lookup_latencies(client, 300, health)
+            channel, streams = _stalled_streams(server.address, STALLED, release)
+            time.sleep(1.0)  # every stream has sent its chunk: 4 hold the stream threads, 60 wait
+            assert not any(f.done() for f in streams)
+            t0 = time.monotonic()
+            loaded = _lookup_latencies(client, 300, health)
+            for _ in range(20):  # health is answered at once with every thread busy
+                h0 = time.perf_counter()
+                assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+                assert time.perf_counter() - h0 < 1.0
+            assert time.monotonic() - t0 < 25, "measured while the streams were still stalled"
+            assert not any(f.done() for f in streams), "no stream was refused or cut (the idle limit is 30 s)"
+            release.set()
+            for f in streams:
+                f.result(timeout=60)  # every stream, queued or not, was applied once released
+            after = client.lookup("w", torch.arange(4))
+            assert not torch.equal(before, after)
+        ratio = _p99(loaded) / _p99(unloaded)
+        print(f"lookup p99 unloaded {_p99(unloaded) * 1e3:.2f} ms, with {STALLED} stalled streams "
+              f"{_p99(loaded) * 1e3:.2f} ms: {ratio:.2f}x")
+        assert ratio < 3.0, (ratio, _p99(unloaded), _p99(loaded))
+        health_channel.close()
+    finally:
+        release.set()
+        if channel is not None:
+            channel.close()
+        server.stop()
+
+
+def test_a_stalled_stream_is_cut_after_the_idle_time_and_applies_nothing(tmp_path: Path) -> None:
+    server = LocalServer(tmp_path / "store", tables=["name=w,dim=4"], workdir=tmp_path / "run",
+                         args=["--hbm-bytes", "200000", "--ddr-bytes", "200000", "--stream-workers", "2",
+                               "--stream-idle-seconds", "1"], start_timeout=START_TIMEOUT).start()
+    release = threading.Event()
+    channel = None
+    try:
+        with Client([server.address]) as client:
+            before = client.lookup("w", torch.arange(4))
+            t0 = time.monotonic()
+            channel, streams = _stalled_streams(server.address, 3, release)
+            for f in streams:  # two run at once, the third after a cut: each cut 1 s after its chunk
+                with pytest.raises(grpc.RpcError) as info:
+                    f.result(timeout=30)
+                assert info.value.code() == grpc.StatusCode.CANCELLED, info.value
+            took = time.monotonic() - t0
+            assert 1.0 <= took < 10, took
+            assert torch.equal(client.lookup("w", torch.arange(4)), before), "a cut stream applied nothing"
+            client.apply_gradients("w", torch.arange(4), torch.ones(4, 4))  # and the server serves on
+            assert not torch.equal(client.lookup("w", torch.arange(4)), before)
+    finally:
+        release.set()
+        if channel is not None:
+            channel.close()
+        server.stop()
+
+
+def test_a_reply_over_the_send_limit_is_refused_before_any_row_and_lookups_persist_no_row(tmp_path: Path) -> None:
+    """A Lookup whose reply would not fit is refused up front; a lookup of unknown keys writes nothing to the store."""
+    server = LocalServer(tmp_path / "store", tables=["name=big,dim=4096", "name=u,dim=8"], workdir=tmp_path / "run",
+                         args=["--hbm-bytes", "400000", "--ddr-bytes", "400000", "--max-message-bytes", "4194304"],
+                         start_timeout=START_TIMEOUT).start()
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = pb_grpc.EmbeddingCacheServiceStub(channel)
+
+        def stats() -> dict[str, Any]:
+            return dict(json.loads(stub.Stats(pb.StatsRequest(), timeout=30).json))
+
+        before = stats()["big"]
+        request = pb.LookupRequest(tables=[pb.TableKeys(table="big", keys=codec.encode_tensor(np.arange(300)))])
+        with pytest.raises(grpc.RpcError) as info:  # 300 x 4096 x 4 bytes = 4.7 MiB > 4 MiB
+            stub.Lookup(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(info.value.trailing_metadata() or ())[ERROR_TYPE_KEY] == "BatchTooLargeError"
+        assert "send limit" in (info.value.details() or "")
+        after = stats()["big"]
+        assert after["lookups"] == before["lookups"] and after["ssd"]["created"] == before["ssd"]["created"], \
+            "nothing was read or created"
+        with Client([server.address]) as client:  # the client splits the same batch below the limit
+            assert client.lookup("big", torch.arange(300)).shape == (300, 4096)
+            # unknown keys: the initializer's rows, cached clean; a flush writes none of them
+            rows = client.lookup("u", torch.arange(10_000, 12_000))
+            client.flush()
+            u = stats()["u"]
+            assert u["ssd"]["created"] == 2000 and u["ssd"]["write_rows"] == 0, u["ssd"]
+            assert torch.equal(client.lookup("u", torch.arange(10_000, 12_000)), rows), "the same rows again"
+    finally:
+        channel.close()
+        server.stop()

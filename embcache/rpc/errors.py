@@ -47,6 +47,7 @@ __all__ = [
     "PermissionDeniedError",
     "RemoteError",
     "ShardRestartedError",
+    "StreamIdleError",
     "TLSMismatchError",
     "UnauthenticatedError",
     "UnavailableError",
@@ -99,6 +100,14 @@ class TLSMismatchError(UnavailableError):
 
 class DeadlineExceededError(RemoteError):
     """The call's deadline passed before the server answered (DEADLINE_EXCEEDED)."""
+
+
+class StreamIdleError(DeadlineExceededError):
+    """The server cut a client stream that sent no message for its ``--stream-idle-seconds``.
+
+    Raised in the server (its status and metrics say DEADLINE_EXCEEDED); the client of a cut
+    stream sees the call cancelled.
+    """
 
 
 class UnauthenticatedError(RemoteError):
@@ -165,6 +174,7 @@ ERROR_STATUS: dict[type[BaseException], grpc.StatusCode] = {
     CacheClosedError: grpc.StatusCode.UNAVAILABLE,
     MigratingError: grpc.StatusCode.UNAVAILABLE,
     WrongShardError: grpc.StatusCode.FAILED_PRECONDITION,
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,  # (StreamIdleError, raised in the server)
     StoreLockedError: grpc.StatusCode.FAILED_PRECONDITION,
     StoreError: grpc.StatusCode.INTERNAL,
     EmbcacheError: grpc.StatusCode.INTERNAL,
@@ -182,7 +192,7 @@ _BY_CODE: dict[grpc.StatusCode, type[EmbcacheError]] = {
 
 _REMOTE_TYPES: dict[str, type[EmbcacheError]] = {
     t.__name__: t for t in (RemoteError, UnavailableError, DeadlineExceededError, UnauthenticatedError,
-                            PermissionDeniedError, TLSMismatchError)
+                            PermissionDeniedError, TLSMismatchError, StreamIdleError)
 }
 
 

@@ -110,7 +110,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from .. import __version__
@@ -120,6 +120,7 @@ from ..errors import ConfigError
 from ..rpc.v1 import embcache_pb2 as pb
 from .leases import MIN_TTL_SECONDS, LeaseTable
 from .ledger import WriteLedger
+from .overload import HEALTH_THREADS, StreamWatchdog, add_health
 from .procmetrics import register_process_metrics
 from .servicer import (
     READ_METHODS,
@@ -159,7 +160,12 @@ class ServerSettings:
         max_message_bytes: largest message in either direction (default 64 MiB).
         max_lease_seconds: the longest time-to-live a batch lease is granted (default 600): a
             client that stops renewing its leases (crashed, cut off) pins rows at most this long.
-        workers: threads serving calls (default 4 per core, at least 8).
+        workers: threads serving unary calls (default 4 per core, at least 8).
+        stream_workers: threads serving the calls that stream, either way (default half of
+            ``workers``, at least 2): streams never take the unary calls' threads, and wait in a
+            queue (holding no thread) when these are all busy. Health checks have 2 of their own.
+        stream_idle_seconds: a client stream that sends no message for this long is cut
+            (cancelled, nothing of it applied; default 30).
         torch_threads: torch's intra-op threads (0: torch's default, one per core). Concurrent
             calls already use the cores; 1 avoids threads waiting on each other on a busy machine.
         checkpoint_root: Checkpoint writes only under here (default ``<path>/checkpoints``).
@@ -180,6 +186,8 @@ class ServerSettings:
     max_message_bytes: int = 64 << 20
     max_lease_seconds: float = 600.0
     workers: int = 0
+    stream_workers: int = 0
+    stream_idle_seconds: float = 30.0
     torch_threads: int = 0
     checkpoint_root: str | None = None
     flush_every_updates: int = 0
@@ -232,7 +240,7 @@ def _read_config(path: str) -> dict[str, Any]:
 
 
 _TOP_KEYS = {"listen", "metrics_port", "metrics_host", "max_message_bytes", "max_lease_seconds", "workers",
-             "torch_threads",
+             "stream_workers", "stream_idle_seconds", "torch_threads",
              "checkpoint_root",
              "grace_seconds", "drain_seconds", "port_file", "cache", "tables", "durability", "tls", "auth"}
 _SECTION_KEYS = {
@@ -252,7 +260,7 @@ def _settings_from_dict(data: Mapping[str, Any]) -> ServerSettings:
             raise ConfigError(f"unknown [{section}] keys {sorted(extra)}; allowed: {sorted(keys)}")
     s = ServerSettings()
     for key in ("listen", "metrics_port", "metrics_host", "max_message_bytes", "max_lease_seconds", "workers",
-                "torch_threads",
+                "stream_workers", "stream_idle_seconds", "torch_threads",
                 "checkpoint_root",
                 "grace_seconds", "drain_seconds", "port_file"):
         if key in data:
@@ -410,7 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lease-seconds", type=float,
                    help="longest time-to-live of a batch lease: a client that stops renewing its leases pins "
                         "rows at most this long (default 600)")
-    p.add_argument("--workers", type=int, help="threads serving calls (default max(8, 4 x cores))")
+    p.add_argument("--workers", type=int, help="threads serving unary calls (default max(8, 4 x cores))")
+    p.add_argument("--stream-workers", type=int,
+                   help="threads serving the calls that stream, either way (default max(2, workers / 2)); "
+                        "further streams wait in a queue holding no thread")
+    p.add_argument("--stream-idle-seconds", type=float, metavar="S",
+                   help="cut a client stream that sends no message for S seconds (default 30)")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
     p.add_argument("--checkpoint-root", help="Checkpoint writes only under this directory (default PATH/checkpoints)")
     p.add_argument("--flush-every-updates", type=int, metavar="N", help="flush before acknowledging every N-th write")
@@ -440,7 +453,8 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
     _from_environment(s, os.environ)
     overrides = {"listen": args.listen, "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                  "max_message_bytes": args.max_message_bytes, "max_lease_seconds": args.max_lease_seconds,
-                 "workers": args.workers,
+                 "workers": args.workers, "stream_workers": args.stream_workers,
+                 "stream_idle_seconds": args.stream_idle_seconds,
                  "torch_threads": args.torch_threads,
                  "checkpoint_root": args.checkpoint_root, "flush_every_updates": args.flush_every_updates,
                  "flush_interval_seconds": args.flush_interval_seconds, "sync": args.sync,
@@ -469,6 +483,10 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
         raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     if s.max_message_bytes < 1 << 16:
         raise ConfigError(f"max_message_bytes={s.max_message_bytes}: must be at least 65536")
+    if not 0 < float(s.stream_idle_seconds) < float("inf"):
+        raise ConfigError(f"stream_idle_seconds={s.stream_idle_seconds}: must be a number of seconds > 0")
+    if s.workers < 0 or s.stream_workers < 0:
+        raise ConfigError(f"workers={s.workers}, stream_workers={s.stream_workers}: must be >= 0 (0: the default)")
     if not MIN_TTL_SECONDS <= float(s.max_lease_seconds) < float("inf"):
         raise ConfigError(f"max_lease_seconds={s.max_lease_seconds}: must be a number of seconds >= {MIN_TTL_SECONDS}")
     return s, args
@@ -553,6 +571,7 @@ class RunningServer:
     grace_seconds: float
     drain_seconds: float = 0.0
     _metrics_httpd: Any = None
+    _pools: tuple[ThreadPoolExecutor, ...] = ()
     _stopped: bool = False
 
     def shutdown(self) -> None:
@@ -578,6 +597,8 @@ class RunningServer:
                 faulthandler.dump_traceback(all_threads=True)
             log.info("shutdown: calls finished after %.2f s", time.perf_counter() - t0)
             self.durability.stop()
+            for pool in self._pools:  # the stream and health threads: their calls ended with the server
+                pool.shutdown(wait=False, cancel_futures=True)
             self.servicer.close()  # cancels the batch leases: nothing pinned is left to the cache's close
             self.cache.close()
             self.durability.ledger.close()  # every write this process acknowledged is durable: say so on disk
@@ -653,17 +674,22 @@ def start_server(s: ServerSettings) -> RunningServer:
         register_process_metrics(registry, __version__)
         servicer = EmbeddingCacheServicer(cache, durability, info, observe,
                                           s.checkpoint_root or os.path.join(config.path, "checkpoints"),
-                                          LeaseTable(cache, float(s.max_lease_seconds)), gate)
+                                          LeaseTable(cache, float(s.max_lease_seconds)), gate,
+                                          StreamWatchdog(float(s.stream_idle_seconds)))
         workers = s.workers or max(8, 4 * (os.cpu_count() or 1))
+        stream_pool = ThreadPoolExecutor(max_workers=s.stream_workers or max(2, workers // 2),
+                                         thread_name_prefix="embcache-stream")
+        health_pool = ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="embcache-health")
+        pools = (stream_pool, health_pool)
         options = [("grpc.max_send_message_length", s.max_message_bytes),
                    ("grpc.max_receive_message_length", s.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # two servers must never share a port silently
         interceptors = [_TokenAuth(rw, ro, observe)] if rw or ro else []
         server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embcache-rpc"),
                              options=options, interceptors=interceptors)
-        add_to_server(servicer, server)
+        add_to_server(servicer, server, stream_pool)
         health_servicer = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        add_health(health_servicer, server, health_pool)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
         try:
@@ -686,7 +712,7 @@ def start_server(s: ServerSettings) -> RunningServer:
         cache.close()
         raise
     return RunningServer(server, cache, servicer, health_servicer, durability, port, metrics_port,
-                         s.grace_seconds, s.drain_seconds, httpd)
+                         s.grace_seconds, s.drain_seconds, httpd, pools)
 
 
 def _die_with_parent() -> None:

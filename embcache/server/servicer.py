@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -29,6 +29,7 @@ import torch
 
 from ..cache import EmbeddingCache
 from ..errors import (
+    BatchTooLargeError,
     CacheClosedError,
     ConfigError,
     EmbcacheError,
@@ -55,6 +56,7 @@ from ..rpc.v1 import embcache_pb2_grpc as pb_grpc
 from ..sizing import store_record_bytes
 from .leases import LeaseTable
 from .ledger import WriteLedger
+from .overload import StreamWatchdog, on_pool
 from .sharding import ShardGate
 
 __all__ = ["READ_METHODS", "ROLES", "SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer",
@@ -68,6 +70,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].full_name
 # into views of those bytes) and the Lookup reply leaves as bytes joined once from the rows' memory.
 _RAW_REQUESTS = frozenset({"Lookup", "ApplyGradients", "Assign"})
 _RAW_RESPONSES = frozenset({"Lookup"})
+_REPLY_ENTRY_BYTES = 256  # a Lookup reply's bytes per table besides its rows and name (headers, padding), at most
 _NAME_MAX, _PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
 
 #: The one table of token roles: every method of the service -> the role a bearer token needs to
@@ -295,7 +298,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
 
     def __init__(self, cache: EmbeddingCache, durability: Durability, server_info: pb.ServerInfo,
                  observe: Callable[[str, str, float], None], checkpoint_root: str,
-                 leases: LeaseTable | None = None, gate: ShardGate | None = None) -> None:
+                 leases: LeaseTable | None = None, gate: ShardGate | None = None,
+                 watchdog: StreamWatchdog | None = None) -> None:
         self._cache = cache
         self._gate = gate if gate is not None else ShardGate(cache.config.path, cache)
         self._durability = durability
@@ -306,6 +310,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         self._ledger = durability.ledger
         self._incarnation = durability.ledger.incarnation
         self._incarnation_hex = f"{self._incarnation:016x}"
+        self._watchdog = watchdog
         self.leases = leases if leases is not None else LeaseTable(
             cache, server_info.max_lease_seconds or 600.0)
 
@@ -317,6 +322,12 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     def close(self) -> None:
         """Cancel every batch lease and stop their reaper (after the server stopped, before the cache closes)."""
         self.leases.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
+
+    def watch(self, requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Iterator[Any]:
+        """A client stream's requests, cut after the idle time of the stream watchdog (if any)."""
+        return requests if self._watchdog is None else self._watchdog.watch(requests, context, method)
 
     # ------------------------------------------------------------------ error and latency plumbing
     def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException, t0: float) -> None:
@@ -429,6 +440,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             keys = {tk.table: _keys(tk) for tk in tables}
             self._gate.check_read(self._map_version(context), {n: k.numpy() for n, k in keys.items()})
             known = self._cache.tables()
+            self._check_reply_size(keys, known)
             if any(name not in known for name in keys):  # the library raises UnknownTableError, having read nothing
                 rows = self._cache.lookup_many(keys)  # (or the table was created meanwhile)
                 return wire.encode_lookup_response([(n, r.cpu().numpy()) for n, r in rows.items()])
@@ -441,6 +453,23 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
                     out.copy_(self._cache.lookup(name, k))
             return reply
         return self._run("Lookup", context, lookup)
+
+    def _check_reply_size(self, keys: dict[str, torch.Tensor], known: dict[str, Any]) -> None:
+        """Refuse a Lookup whose reply could not be sent, before any row is read or created.
+
+        Raises:
+            BatchTooLargeError: the rows would exceed the send limit (RESOURCE_EXHAUSTED).
+        """
+        limit = self._info.max_send_message_bytes
+        if not limit:
+            return
+        size = sum(4 * k.numel() * known[n].dim + _REPLY_ENTRY_BYTES + len(n.encode())
+                   for n, k in keys.items() if n in known)
+        if size > limit:
+            raise BatchTooLargeError(
+                f"Lookup: the reply would hold {size} bytes of rows, over the server's send limit of {limit} "
+                f"bytes; nothing was read. Send fewer keys per call (embcache.Client splits its batches by the "
+                f"limits the server reports)")
 
     def _apply(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], context: grpc.ServicerContext) -> None:
         with self._gate.writing(self._map_version(context), {n: k.numpy() for n, (k, _) in updates.items()}):
@@ -746,10 +775,11 @@ def _checked(requests: Iterator[Any]) -> Iterator[Any]:
 
 
 def _guarded(servicer: EmbeddingCacheServicer, name: str, streaming: bool) -> Callable[[Any, Any], Any]:
-    """The servicer's method ``name``, refusing a malformed request with INVALID_ARGUMENT before it runs."""
+    """The servicer's method ``name``, refusing a malformed request with INVALID_ARGUMENT before it runs
+    (and with a request stream, cut when it idles: see :class:`~embcache.server.overload.StreamWatchdog`)."""
     method = getattr(servicer, name)
     if streaming:
-        return lambda requests, context: method(_checked(requests), context)
+        return lambda requests, context: method(_checked(servicer.watch(requests, context, name)), context)
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
@@ -758,11 +788,13 @@ def _guarded(servicer: EmbeddingCacheServicer, name: str, streaming: bool) -> Ca
     return unary
 
 
-def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server) -> None:
+def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server,
+                  stream_pool: ThreadPoolExecutor | None = None) -> None:
     """Register the servicer, with bytes in and out for the hot calls (the generated helper would parse them).
 
     Every request deserializer returns instead of raising: bytes that are no valid request get
-    INVALID_ARGUMENT (InvalidKeysError, "malformed ..."), never gRPC's own INTERNAL.
+    INVALID_ARGUMENT (InvalidKeysError, "malformed ..."), never gRPC's own INTERNAL. With
+    ``stream_pool``, the calls that stream (either way) run on it, not on the server's pool.
     """
     handlers = {}
     make = {(False, False): grpc.unary_unary_rpc_method_handler,
@@ -772,8 +804,11 @@ def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server) -> None
     for method in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods:
         request_type = getattr(pb, method.input_type.name)
         response_type = getattr(pb, method.output_type.name)
+        behavior = _guarded(servicer, method.name, method.client_streaming)
+        if stream_pool is not None and (method.client_streaming or method.server_streaming):
+            behavior = on_pool(behavior, stream_pool)
         handlers[method.name] = make[(method.client_streaming, method.server_streaming)](
-            _guarded(servicer, method.name, method.client_streaming),
+            behavior,
             request_deserializer=_identity if method.name in _RAW_REQUESTS else _parser(request_type),
             response_serializer=_identity if method.name in _RAW_RESPONSES else response_type.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
