@@ -57,6 +57,26 @@ call the methods of role "read" (the table of token roles at the end of this hel
 PERMISSION_DENIED). Health and reflection stay open for probes. Token files hold one token per
 line; EMBCACHE_AUTH_TOKEN adds a read-write token.
 
+Overload isolation: health checks (grpc.health.v1 Check) run on 2 threads of their own, so a
+probe is answered while every other thread is busy. Calls that stream, either way (the *Stream
+calls, Prefetch, EndPass, ResidentKeys), run on --stream-workers threads of their own (default
+max(2, workers / 2)) and never take the --workers threads of unary calls (Lookup, ApplyGradients,
+Assign, ...); when all are busy, further streams wait in a queue, holding no thread. A client
+stream that sends no message for --stream-idle-seconds (default 30) is cut: the call is cancelled
+(the client sees CANCELLED) and nothing of it is applied (a stream's chunks are applied together
+once it ends). A Lookup whose reply would exceed --max-message-bytes is refused
+(RESOURCE_EXHAUSTED, BatchTooLargeError) before any row is read or created. Not bounded yet: a
+client that reads a server stream (ResidentKeys, Prefetch) slowly holds its stream thread.
+
+Lookups of unknown keys (any token, read-only ones too) return the initializer's rows and cache
+them in memory as clean rows: only an update or an assign makes a row dirty, so such rows are
+never written to the store (a flush or eviction drops them; looked up again, they come back the
+same). A read-only token thus creates no persisted row; its lookups move rows between the memory
+tiers like any other lookup, within the tiers' budgets and the reply-size limit.
+
+Malformed requests: bytes that are no valid request message and impossible tensor shapes get
+INVALID_ARGUMENT (embcache-error-type InvalidKeysError, "malformed ..." or the tensor's problem).
+
 Batch leases (Client.prefetch_batch, LookAhead over a Client): the rows of a leased batch stay
 pinned until the client releases them, or until the lease goes its time-to-live without a
 renewal (the client asks for one, 30 s by default; at most --max-lease-seconds): a crashed or
@@ -75,6 +95,7 @@ units: "4GiB", "512MB" (KiB/MiB/GiB/TiB: powers of 1024; KB/MB/GB/TB: of 1000).
     metrics_port = 9400                # -1: no metrics server; 0: a free port
     max_message_bytes = 67108864       # per message, both directions
     max_lease_seconds = 600            # the longest time-to-live of a batch lease
+    stream_idle_seconds = 30           # cut a client stream silent this long
     [cache]                            # embcache.CacheConfig fields
     path = "./embcache-data"
     hbm_bytes = 1073741824
