@@ -20,11 +20,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embcache.client import Client, TLSMismatchError, UnavailableError
 from embcache.errors import StoreFullError
-from embcache.rpc import codec
+from embcache.rpc import codec, wire
 from embcache.rpc.errors import ERROR_TYPE_KEY, MAP_VERSION_KEY
 from embcache.rpc.v1 import embcache_pb2 as pb
 from embcache.rpc.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.server.local import LocalServer, wait_serving
+from embcache.server.servicer import SERVICE_NAME
 
 START_TIMEOUT = 300  # seconds: server start-up (imports) on a loaded 2-core machine
 
@@ -237,6 +238,44 @@ def test_a_reply_over_the_send_limit_is_refused_before_any_row_and_lookups_persi
             u = stats()["u"]
             assert u["ssd"]["created"] == 2000 and u["ssd"]["write_rows"] == 0, u["ssd"]
             assert torch.equal(client.lookup("u", torch.arange(10_000, 12_000)), rows), "the same rows again"
+    finally:
+        channel.close()
+        server.stop()
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set (VmHWM), bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
+def test_peak_rss_stays_within_the_budgets_plus_1_gib_under_the_largest_requests(tmp_path: Path) -> None:
+    """The largest Lookup (unknown keys, dim 1: the most rows per byte) and ApplyGradients a 32 MiB limit allows.
+
+    Before lookups were handed to the cache in chunks, one lookup of 8M unknown keys (64 MiB)
+    peaked 4.2 GiB above the server's start with 32 MB of tiers.
+    """
+    budgets = 16_000_000 + 16_000_000
+    limit = 32 << 20
+    server = LocalServer(tmp_path / "store", tables=["name=d1,dim=1", "name=d64,dim=64"], workdir=tmp_path / "run",
+                         args=["--hbm-bytes", "16000000", "--ddr-bytes", "16000000", "--max-message-bytes", str(limit)],
+                         start_timeout=START_TIMEOUT).start()
+    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    channel = grpc.insecure_channel(server.address, options=options)
+    try:
+        assert server.proc is not None
+        lookup = channel.unary_unary(f"/{SERVICE_NAME}/Lookup")
+        apply = channel.unary_unary(f"/{SERVICE_NAME}/ApplyGradients")
+        keys = np.arange(limit // 8 - 8192, dtype=np.int64)  # the most keys one request holds
+        reply = lookup(wire.encode_lookup_request([("d1", keys)]), timeout=300)
+        assert len(reply) > 4 * keys.size
+        rows = limit // (4 * 64 + 8) - 1024
+        apply(wire.encode_values_request([("d64", np.arange(10**9, 10**9 + rows, dtype=np.int64),
+                                           np.ones((rows, 64), np.float32))]), timeout=300)
+        peak = _peak_rss(server.proc.pid)
+        print(f"peak RSS {peak / 2**20:.0f} MiB with {budgets / 2**20:.0f} MiB of tiers")
+        assert peak < budgets + (1 << 30), peak
     finally:
         channel.close()
         server.stop()

@@ -70,6 +70,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].full_name
 # into views of those bytes) and the Lookup reply leaves as bytes joined once from the rows' memory.
 _RAW_REQUESTS = frozenset({"Lookup", "ApplyGradients", "Assign"})
 _RAW_RESPONSES = frozenset({"Lookup"})
+#: Keys a Lookup hands the cache per call: a larger request is looked up in chunks of this many
+#: (same rows; the cache's working memory stays that of one chunk).
+LOOKUP_CHUNK_KEYS = 1 << 16
 _REPLY_ENTRY_BYTES = 256  # a Lookup reply's bytes per table besides its rows and name (headers, padding), at most
 _NAME_MAX, _PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
 
@@ -447,10 +450,15 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             reply, views = wire.new_lookup_response([(n, k.numel(), known[n].dim) for n, k in keys.items()])
             on_cpu = self._cache.device.type == "cpu"
             for (name, k), out in zip(keys.items(), views, strict=True):
-                if on_cpu:
-                    self._cache.lookup(name, k, out=out)
-                else:  # the rows leave the device once, into the reply
-                    out.copy_(self._cache.lookup(name, k))
+                # In chunks: the cache's working memory for a batch (unique keys, staged rows, their
+                # placement) grows with the batch, so one lookup of 8M unknown keys (a 64 MiB request)
+                # peaked 4 GiB above the tier budgets; per chunk it stays bounded.
+                for start in range(0, max(k.numel(), 1), LOOKUP_CHUNK_KEYS):
+                    end = start + LOOKUP_CHUNK_KEYS
+                    if on_cpu:
+                        self._cache.lookup(name, k[start:end], out=out[start:end])
+                    else:  # the rows leave the device once, into the reply
+                        out[start:end].copy_(self._cache.lookup(name, k[start:end]))
             return reply
         return self._run("Lookup", context, lookup)
 
