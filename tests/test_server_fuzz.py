@@ -311,3 +311,14 @@ def test_token_roles_come_from_one_table_that_help_and_readme_show(
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("<!-- roles:begin -->\n", 1)[1].split("\n<!-- roles:end -->", 1)[0]
     assert block == roles_text(markdown=True), "README's roles table is stale: paste roles_text(markdown=True)"
+
+
+def test_malformed_health_checks_get_invalid_argument_and_health_still_answers(
+        fuzz_server: tuple[LocalServer, grpc.Channel]) -> None:
+    _, channel = fuzz_server
+    check = channel.unary_unary("/grpc.health.v1.Health/Check")
+    for data in MALFORMED:
+        with pytest.raises(grpc.RpcError) as info:
+            check(data, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (data, info.value)
+    assert check(b"", timeout=10) == b"\x08\x01", "SERVING"

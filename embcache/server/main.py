@@ -65,7 +65,8 @@ Assign, ...); when all are busy, further streams wait in a queue, holding no thr
 stream that sends no message for --stream-idle-seconds (default 30) is cut: the call is cancelled
 (the client sees CANCELLED) and nothing of it is applied (a stream's chunks are applied together
 once it ends). A Lookup whose reply would exceed --max-message-bytes is refused
-(RESOURCE_EXHAUSTED, BatchTooLargeError) before any row is read or created. Not bounded yet: a
+(RESOURCE_EXHAUSTED, BatchTooLargeError) before any row is read or created, and a large one is
+handed to the cache 65,536 keys at a time (its working memory is one chunk's). Not bounded yet: a
 client that reads a server stream (ResidentKeys, Prefetch) slowly holds its stream thread.
 
 Lookups of unknown keys (any token, read-only ones too) return the initializer's rows and cache

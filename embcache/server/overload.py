@@ -46,14 +46,36 @@ def on_pool(behavior: Callable[..., Any], pool: ThreadPoolExecutor) -> Callable[
     return run
 
 
+_MALFORMED = object()  # not None: gRPC answers a deserializer's None, like its raise, with INTERNAL
+
+
+def _parse_health(data: bytes) -> Any:
+    """A HealthCheckRequest, or ``_MALFORMED`` for bytes that are none."""
+    try:
+        return health_pb2.HealthCheckRequest.FromString(data)
+    except Exception:
+        return _MALFORMED
+
+
+def _valid(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def run(request: Any, context: grpc.ServicerContext) -> Any:
+        if request is _MALFORMED:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed HealthCheckRequest")
+        return behavior(request, context)
+    return run
+
+
 def add_health(servicer: health.HealthServicer, server: grpc.Server, pool: ThreadPoolExecutor) -> None:
-    """Register the health service with Check on ``pool`` (Watch, a long-lived stream, stays on the server's)."""
+    """Register the health service with Check on ``pool`` (Watch, a long-lived stream, stays on the server's).
+
+    Malformed request bytes get INVALID_ARGUMENT, as on the cache service.
+    """
     handlers = {
         "Check": grpc.unary_unary_rpc_method_handler(
-            on_pool(servicer.Check, pool), request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            on_pool(_valid(servicer.Check), pool), request_deserializer=_parse_health,
             response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
         "Watch": grpc.unary_stream_rpc_method_handler(
-            servicer.Watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            _valid(servicer.Watch), request_deserializer=_parse_health,
             response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
     }
     name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
