@@ -856,7 +856,8 @@ class Client:
         self._pass_incarnations: dict[str, int] = {}  # shard name -> the process that holds this client's pass
         deadline = time.monotonic() + connect_timeout
         try:
-            self._check_tls(min(_TLS_CHECK_SECONDS, connect_timeout))
+            if self._wait:  # (without wait_for_ready a call to such a shard fails at once: checked below)
+                self._check_tls(min(_TLS_CHECK_SECONDS, connect_timeout))
             self._refresh_tables(timeout=max(deadline - time.monotonic(), 0.001))
             if self._topo.map.version == 0:
                 self._install_map(max(deadline - time.monotonic(), 0.001))
