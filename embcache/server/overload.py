@@ -125,12 +125,14 @@ class StreamWatchdog:
                 try:
                     request = next(it)
                 except StopIteration:
+                    # gRPC may end the requests of a call it cancelled as if the client had closed them:
+                    # a cut stream must not look complete, or its chunks would be applied.
+                    if entry.cut:
+                        raise self._idle_error(method) from None
                     return
                 except grpc.RpcError:  # the call was cancelled: by us, or the client went away
                     if entry.cut:
-                        raise StreamIdleError(f"{method}: no message from the client for {self.idle_seconds:g} s "
-                                              "(--stream-idle-seconds); the stream was cut and nothing of it "
-                                              "was applied") from None
+                        raise self._idle_error(method) from None
                     raise
                 finally:
                     entry.waiting = False
@@ -138,6 +140,10 @@ class StreamWatchdog:
         finally:
             with self._lock:
                 self._streams.discard(entry)
+
+    def _idle_error(self, method: str) -> StreamIdleError:
+        return StreamIdleError(f"{method}: no message from the client for {self.idle_seconds:g} s "
+                               "(--stream-idle-seconds); the stream was cut and nothing of it was applied")
 
     def _loop(self) -> None:
         while not self._stop.wait(self._tick):
