@@ -206,6 +206,27 @@ def test_a_stalled_stream_is_cut_after_the_idle_time_and_applies_nothing(tmp_pat
             took = time.monotonic() - t0
             assert 1.0 <= took < 10, took
             assert torch.equal(client.lookup("w", torch.arange(4)), before), "a cut stream applied nothing"
+            # streams the client cancels, or whose deadline passes, mid-way: gRPC ends their requests
+            # like a finished stream's, and half of them used to be applied
+            stub = pb_grpc.EmbeddingCacheServiceStub(channel)
+            chunk = pb.ApplyGradientsRequest(tables=[pb.TableValues(table="w", keys=codec.encode_tensor(np.arange(4)),
+                                                                    values=codec.encode_tensor(np.ones((4, 4),
+                                                                                                       np.float32)))])
+
+            def stalled() -> Iterator[pb.ApplyGradientsRequest]:
+                yield chunk
+                release.wait(30)
+
+            for i in range(8):
+                call = stub.ApplyGradientsStream.future(stalled(), timeout=0.4 if i % 2 else 30,
+                                                        metadata=((MAP_VERSION_KEY, "1"),))
+                if not i % 2:
+                    time.sleep(0.3)
+                    call.cancel()
+                with pytest.raises(grpc.FutureCancelledError if not i % 2 else grpc.RpcError):
+                    call.result(timeout=30)
+                time.sleep(0.2)
+            assert torch.equal(client.lookup("w", torch.arange(4)), before), "a cancelled stream applied nothing"
             client.apply_gradients("w", torch.arange(4), torch.ones(4, 4))  # and the server serves on
             assert not torch.equal(client.lookup("w", torch.arange(4)), before)
     finally:

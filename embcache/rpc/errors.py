@@ -47,6 +47,7 @@ __all__ = [
     "PermissionDeniedError",
     "RemoteError",
     "ShardRestartedError",
+    "StreamCancelledError",
     "StreamIdleError",
     "TLSMismatchError",
     "UnauthenticatedError",
@@ -107,6 +108,13 @@ class StreamIdleError(DeadlineExceededError):
 
     Raised in the server (its status and metrics say DEADLINE_EXCEEDED); the client of a cut
     stream sees the call cancelled.
+    """
+
+
+class StreamCancelledError(RemoteError):
+    """A client cancelled a request stream (or its deadline passed) before it ended: nothing of it was applied.
+
+    Raised in the server (status CANCELLED), where gRPC reports such a stream's end like a normal one.
     """
 
 
@@ -175,6 +183,7 @@ ERROR_STATUS: dict[type[BaseException], grpc.StatusCode] = {
     MigratingError: grpc.StatusCode.UNAVAILABLE,
     WrongShardError: grpc.StatusCode.FAILED_PRECONDITION,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,  # (StreamIdleError, raised in the server)
+    StreamCancelledError: grpc.StatusCode.CANCELLED,  # (raised in the server)
     StoreLockedError: grpc.StatusCode.FAILED_PRECONDITION,
     StoreError: grpc.StatusCode.INTERNAL,
     EmbcacheError: grpc.StatusCode.INTERNAL,
@@ -192,7 +201,7 @@ _BY_CODE: dict[grpc.StatusCode, type[EmbcacheError]] = {
 
 _REMOTE_TYPES: dict[str, type[EmbcacheError]] = {
     t.__name__: t for t in (RemoteError, UnavailableError, DeadlineExceededError, UnauthenticatedError,
-                            PermissionDeniedError, TLSMismatchError, StreamIdleError)
+                            PermissionDeniedError, TLSMismatchError, StreamIdleError, StreamCancelledError)
 }
 
 

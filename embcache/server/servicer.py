@@ -49,6 +49,7 @@ from ..rpc.errors import (
     MAP_VERSION_KEY,
     NOT_APPLIED_KEY,
     SHARD_MAP_KEY,
+    StreamCancelledError,
     status_of,
 )
 from ..rpc.v1 import embcache_pb2 as pb
@@ -74,6 +75,7 @@ _RAW_RESPONSES = frozenset({"Lookup"})
 #: (same rows; the cache's working memory stays that of one chunk).
 LOOKUP_CHUNK_KEYS = 1 << 16
 _REPLY_ENTRY_BYTES = 256  # a Lookup reply's bytes per table besides its rows and name (headers, padding), at most
+_CANCEL_GRACE_SECONDS = 0.01  # how long a request stream's end waits to learn that it was a cancellation
 _NAME_MAX, _PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
 
 #: The one table of token roles: every method of the service -> the role a bearer token needs to
@@ -774,12 +776,25 @@ def _checkpoint_problem(directory: str) -> str | None:
     return None
 
 
-def _checked(requests: Iterator[Any]) -> Iterator[Any]:
-    """A request stream whose malformed message raises InvalidKeysError where the handler reads it."""
+def _checked(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Iterator[Any]:
+    """A request stream whose malformed message raises InvalidKeysError where the handler reads it,
+    and whose end raises StreamCancelledError when the client cancelled it instead of closing it.
+
+    gRPC ends the requests of a call the client cancelled (or whose deadline passed) mid-stream
+    just as if the client had sent its last chunk, and learns of the cancellation a moment later:
+    a handler that took that for the end applied the chunks it had (half of the cancelled streams
+    in a test). So the end waits up to ``_CANCEL_GRACE_SECONDS`` for the call to turn inactive.
+    """
+    ended = threading.Event()
+    context.add_callback(ended.set)  # runs when the call terminates (cancelled, or finished)
     for request in requests:
         if isinstance(request, _Malformed):
             raise InvalidKeysError(request.message)
         yield request
+    ended.wait(_CANCEL_GRACE_SECONDS)
+    if not context.is_active():
+        raise StreamCancelledError(f"{method}: the client cancelled the stream (or its deadline passed) before "
+                                   "it ended; nothing of it was applied")
 
 
 def _guarded(servicer: EmbeddingCacheServicer, name: str, streaming: bool) -> Callable[[Any, Any], Any]:
@@ -787,7 +802,8 @@ def _guarded(servicer: EmbeddingCacheServicer, name: str, streaming: bool) -> Ca
     (and with a request stream, cut when it idles: see :class:`~embcache.server.overload.StreamWatchdog`)."""
     method = getattr(servicer, name)
     if streaming:
-        return lambda requests, context: method(_checked(servicer.watch(requests, context, name)), context)
+        return lambda requests, context: method(_checked(servicer.watch(requests, context, name), context, name),
+                                                context)
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
