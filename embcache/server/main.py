@@ -64,7 +64,9 @@ max(2, workers / 2)) and never take the --workers threads of unary calls (Lookup
 Assign, ...); when all are busy, further streams wait in a queue, holding no thread. A client
 stream that sends no message for --stream-idle-seconds (default 30) is cut: the call is cancelled
 (the client sees CANCELLED) and nothing of it is applied (a stream's chunks are applied together
-once it ends). A Lookup whose reply would exceed --max-message-bytes is refused
+once it ends). Nor is a stream the client cancels, or whose deadline passes, before its end (gRPC
+reports such an end like a normal one: each stream's end waits up to 10 ms to tell them apart).
+A Lookup whose reply would exceed --max-message-bytes is refused
 (RESOURCE_EXHAUSTED, BatchTooLargeError) before any row is read or created, and a large one is
 handed to the cache 65,536 keys at a time (its working memory is one chunk's). Not bounded yet: a
 client that reads a server stream (ResidentKeys, Prefetch) slowly holds its stream thread.
