@@ -57,6 +57,7 @@ import logging
 import os
 import random
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -99,6 +100,7 @@ from .rpc.errors import (
     PermissionDeniedError,
     RemoteError,
     ShardRestartedError,
+    TLSMismatchError,
     UnauthenticatedError,
     UnavailableError,
     error_from_name,
@@ -120,6 +122,7 @@ __all__ = [
     "RemoteFuture",
     "RemoteLease",
     "ShardRestartedError",
+    "TLSMismatchError",
     "UnauthenticatedError",
     "UnavailableError",
 ]
@@ -239,6 +242,7 @@ def _combine_prefetch(finals: Sequence[Any], tables: Sequence[str] = ()) -> dict
     return out
 
 
+_TLS_CHECK_SECONDS = 1.0  # a shard's channel not ready this long after the client is made: TLS is checked
 _LeaseState = pb.LeaseStatus.State
 _LEASE_WAIT_SECONDS = 2.0  # the longest a renewal waits on a server for staging to end
 _LEASE_RETRY_SECONDS = 0.5  # after a failed renewal
@@ -538,6 +542,98 @@ def _wrong_shard(outcome: Any) -> str:
     return "{}"
 
 
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``host:port`` or ``[v6]:port`` address; None for other target forms."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host or "/" in host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _handshake(address: tuple[str, int], context: ssl.SSLContext, server_name: str | None,
+               timeout: float) -> tuple[str, str]:
+    """A TLS handshake with ``address``: ``(outcome, detail)``, outcome one of "ok", "alert" (a TLS peer
+    refused it), "verify" (its certificate failed the check), "plain" (no TLS answer), "unreachable"."""
+    try:
+        sock = socket.create_connection(address, timeout=timeout)
+    except OSError as exc:
+        return "unreachable", str(exc)
+    try:
+        with context.wrap_socket(sock, server_hostname=server_name) as tls:
+            if context.verify_mode == ssl.CERT_REQUIRED:  # TLS 1.3 reports a missing client certificate now
+                tls.settimeout(min(timeout, 0.5))
+                try:
+                    if not tls.recv(1):
+                        return "alert", "the server closed the connection after the handshake"
+                except ssl.SSLError as exc:
+                    return "alert", exc.reason or str(exc)
+                except OSError:  # nothing to read: the server waits for the client, as it should
+                    pass
+            return "ok", ""
+    except ssl.SSLCertVerificationError as exc:
+        return "verify", exc.verify_message or str(exc)
+    except ssl.SSLError as exc:
+        reason = exc.reason or str(exc)
+        return ("alert" if "ALERT" in reason.upper() else "plain"), reason
+    except TimeoutError:  # no answer at all (a stalled server): nothing to say about TLS
+        return "unreachable", "no answer"
+    except OSError as exc:  # closed or reset on the first bytes of a ClientHello: not a TLS server
+        return "plain", str(exc)
+    finally:
+        sock.close()
+
+
+def tls_problem(address: str, tls: bool, ca: bytes | None = None, server_name: str | None = None,
+                has_client_cert: bool = False, timeout: float = 2.0) -> str | None:
+    """What is wrong with TLS between this client and the server at ``address``, in words; None if nothing.
+
+    Made with Python's own TLS handshakes to the address, so it tells a plaintext server from a
+    TLS one, a certificate that does not verify against ``ca`` (or name ``server_name``), and a
+    server that wants a client certificate. None too when the server cannot be reached at all.
+
+    Args:
+        address: ``host:port``.
+        tls: whether the client dials with TLS.
+        ca: the PEM the client verifies servers with (TLS only).
+        server_name: the name the certificate must carry (default: the host).
+        has_client_cert: whether the client presents a certificate (mutual TLS).
+    """
+    where = _host_port(address)
+    if where is None:
+        return None
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
+    probe.set_alpn_protocols(["h2"])
+    outcome, detail = _handshake(where, probe, None, timeout)
+    if outcome == "unreachable":
+        return None
+    speaks_tls = outcome in ("ok", "alert")
+    if not tls:
+        return (f"the server at {address} speaks TLS and this client plaintext: pass tls_ca (with tls_cert and "
+                f"tls_key for mutual TLS)") if speaks_tls else None
+    if not speaks_tls:
+        return (f"this client speaks TLS and the server at {address} does not (plaintext: {detail}); leave out "
+                f"tls_ca/tls_cert, or start the server with --tls-cert/--tls-key")
+    if ca is None:
+        return None
+    verify = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    verify.set_alpn_protocols(["h2"])
+    try:
+        verify.load_verify_locations(cadata=ca.decode(errors="replace"))
+    except (ssl.SSLError, ValueError):
+        return f"tls_ca holds no usable PEM certificate, so the server at {address} cannot be verified"
+    outcome, detail = _handshake(where, verify, server_name or where[0], timeout)
+    if outcome == "verify":
+        return (f"TLS handshake with {address} failed: the server's certificate does not verify against tls_ca "
+                f"for the name {server_name or where[0]!r} ({detail}); check tls_ca, or pass tls_server_name")
+    if outcome == "alert" and not has_client_cert:
+        return (f"TLS handshake with {address} failed: the server wants a client certificate (mutual TLS; "
+                f"{detail}): pass tls_cert and tls_key")
+    if outcome == "alert":
+        return f"TLS handshake with {address} failed: the server refused it ({detail}); check tls_cert and tls_key"
+    return None
+
+
 def _read_pem(value: str | bytes | None) -> bytes | None:
     if value is None or isinstance(value, bytes):
         return value
@@ -690,6 +786,10 @@ class Client:
     Raises:
         UnavailableError, DeadlineExceededError: a shard could not be reached within ``connect_timeout``,
             or a ``dns:///`` name did not resolve to ``expected_shards`` addresses in that time.
+        TLSMismatchError: (an UnavailableError) a shard's channel does not come up because of TLS:
+            the server speaks TLS and the client plaintext or the other way round, its certificate
+            does not verify against ``tls_ca`` (or name ``tls_server_name``), or it wants a client
+            certificate. Checked when a channel is not ready one second after the client is made.
         UnauthenticatedError, PermissionDeniedError: the servers refused the credentials.
         ValueError: a malformed target, a name that does not resolve, a list of the wrong length,
             or ``lease_ttl`` not positive.
@@ -733,8 +833,9 @@ class Client:
         self._options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
                                                 ("grpc.max_receive_message_length", max_message_bytes)]
         self._creds = None
+        self._tls = (_read_pem(tls_ca), tls_server_name, tls_cert is not None)
         if tls_ca is not None or tls_cert is not None:
-            self._creds = grpc.ssl_channel_credentials(root_certificates=_read_pem(tls_ca),
+            self._creds = grpc.ssl_channel_credentials(root_certificates=self._tls[0],
                                                        private_key=_read_pem(tls_key),
                                                        certificate_chain=_read_pem(tls_cert))
             if tls_server_name:
@@ -753,10 +854,21 @@ class Client:
         self._leases = _LeaseKeeper(self)
         self._receipts = Receipts()  # acknowledged writes per shard, until a flush shows them durable
         self._pass_incarnations: dict[str, int] = {}  # shard name -> the process that holds this client's pass
+        deadline = time.monotonic() + connect_timeout
         try:
-            self._refresh_tables(timeout=connect_timeout)
+            if self._wait:  # (without wait_for_ready a call to such a shard fails at once: checked below)
+                self._check_tls(min(_TLS_CHECK_SECONDS, connect_timeout))
+            self._refresh_tables(timeout=max(deadline - time.monotonic(), 0.001))
             if self._topo.map.version == 0 and len(self._topo.shards) > 1:  # one shard: nothing to disagree about
-                self._install_map(connect_timeout)
+                self._install_map(max(deadline - time.monotonic(), 0.001))
+        except (UnavailableError, DeadlineExceededError) as exc:
+            self.close()
+            if isinstance(exc, TLSMismatchError):
+                raise
+            problem = next(filter(None, (self._tls_problem(s.address) for s in self._topo.shards)), None)
+            if problem is not None:
+                raise TLSMismatchError(problem, grpc.StatusCode.UNAVAILABLE) from exc
+            raise
         except BaseException:
             self.close()
             raise
@@ -831,6 +943,32 @@ class Client:
             self._topo = _Topology(shards, new.ring, new)
         log.info("routing by shard map version %d: %s", new.version, sorted(new.shards.values()))
         return True
+
+    def _tls_problem(self, address: str) -> str | None:
+        ca, server_name, has_cert = self._tls
+        return tls_problem(address, self._creds is not None, ca, server_name, has_cert)
+
+    def _check_tls(self, wait: float) -> None:
+        """Raise TLSMismatchError for a shard whose channel is not ready after ``wait`` s because of TLS.
+
+        A channel whose TLS handshake fails never becomes ready, and a call waiting for it (the
+        default ``wait_for_ready``) would only time out: a shard not ready this soon is asked
+        with Python's own handshakes what is wrong (:func:`tls_problem`), which also says
+        nothing for a shard that is only down or starting (the calls then wait as before).
+        """
+        futures = [(s, grpc.channel_ready_future(s.channel)) for s in self._topo.shards]
+        end = time.monotonic() + wait
+        try:
+            for shard, ready in futures:
+                try:
+                    ready.result(timeout=max(end - time.monotonic(), 0.0))
+                except grpc.FutureTimeoutError:
+                    problem = self._tls_problem(shard.address)
+                    if problem is not None:
+                        raise TLSMismatchError(problem, grpc.StatusCode.UNAVAILABLE, shard.address) from None
+        finally:
+            for _, ready in futures:
+                ready.cancel()
 
     def _connect(self, name: str, address: str) -> _Shard:
         channel = (grpc.secure_channel(address, self._creds, options=self._options) if self._creds is not None

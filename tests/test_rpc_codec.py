@@ -82,13 +82,30 @@ def test_unsupported_dtype_is_refused_on_encode() -> None:
     (lambda m: setattr(m, "data", m.data[:-1]), "23 bytes do not hold int64 \\[3\\]"),
     (lambda m: setattr(m, "data", m.data + b"\0" * 8), "32 bytes do not hold"),
     (lambda m: m.shape.__setitem__(0, -3), "negative dimension"),
-    (lambda m: m.shape.__setitem__(0, 2**40), "bytes do not hold"),
+    (lambda m: m.shape.__setitem__(0, 1000), "bytes do not hold"),
+    (lambda m: m.shape.__setitem__(0, 2**40), "impossible"),
+    (lambda m: m.shape.__setitem__(0, 2**63 - 1), "impossible"),
 ])
 def test_malformed_keys_raise_before_frombuffer(mutate, match) -> None:
     msg = codec.encode_tensor(np.array([1, 2, 3], dtype=np.int64))
     mutate(msg)
     with pytest.raises(InvalidKeysError, match=match):
         codec.decode_keys(msg, "keys")
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62], [2**62, 0], [0, 2**31], [0, -1], [-(2**63), 0]])
+def test_impossible_shapes_of_empty_tensors_are_invalid(shape: list[int]) -> None:
+    """A zero dimension makes the byte count 0 whatever the others say: they are checked on their own."""
+    msg = pb.Tensor(dtype="float32", shape=shape, data=b"")
+    with pytest.raises(InvalidGradientError, match=r"impossible|negative"):
+        codec.decode_tensor(msg, "rows", InvalidGradientError, codec.FLOAT_DTYPES, 2)
+    raw = wire.parse_values_request(wire.encode_values_request([("t", np.zeros(0, np.int64),
+                                                                  np.zeros((0, 4), np.float32))]))[0].values
+    raw.shape = list(shape)
+    with pytest.raises(InvalidGradientError, match=r"impossible|negative"):
+        codec.decode_tensor(raw, "rows", InvalidGradientError, codec.FLOAT_DTYPES, 2)
+    assert codec.decode_tensor(pb.Tensor(dtype="float32", shape=[0, 64]), "rows", InvalidGradientError,
+                               codec.FLOAT_DTYPES, 2).shape == (0, 64), "an empty batch of rows is fine"
 
 
 def test_missing_tensor_and_int32_keys() -> None:

@@ -440,3 +440,21 @@ def test_lmdb_is_multi_process(tmp_path: Path) -> None:
         assert child.stdout.strip() == "[True, False] [3, 3, 3, 3]", child.stderr
         found, recs = s.get_many("t", np.array([6]))
         assert found.all() and recs.tolist() == [[4, 4, 4, 4]]
+
+
+def test_lmdb_disk_full_raises_store_full(tmp_path: Path) -> None:
+    """A real ENOSPC (writing to /dev/full), as LMDB reports it (DiskError), is a StoreFullError."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    store = open_store("lmdb", str(tmp_path / "db"))
+    store.open_table("t", 300)
+    keys = np.arange(500, dtype=np.int64)
+    store.put_many("t", keys, records_for(keys, 300))
+    fd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with pytest.raises(StoreFullError, match="No space left"), store._guard("copy"):
+            store._env.copyfd(fd)  # the data file's pages, written to a device that is always full
+    finally:
+        os.close(fd)
+    assert store.count("t") == 500
+    store.close()

@@ -24,6 +24,7 @@ from .wire import RawTensor
 __all__ = [
     "FLOAT_DTYPES",
     "KEY_DTYPES",
+    "MAX_DIM",
     "decode_keys",
     "decode_keyset",
     "decode_tensor",
@@ -46,6 +47,10 @@ _WIRE: dict[str, np.dtype[Any]] = {
 KEY_DTYPES = ("int64", "int32")
 FLOAT_DTYPES = ("float32", "float16", "float64")
 _NAME_OF = {v.str: k for k, v in _WIRE.items()}  # keyed by the little-endian form
+#: The largest dimension a received tensor may have. A gRPC message is under 2 GiB, so no tensor
+#: with data has a larger one; a tensor with a zero dimension has no data to bound the others,
+#: and without this a shape like [0, 2**62] passed the byte-length check and broke numpy later.
+MAX_DIM = (1 << 31) - 1
 
 # TableConfig fields sent as proto3 optionals (unset on the wire = the dataclass default).
 _OPTIONAL_FIELDS = ("optimizer", "lr", "eps", "beta1", "beta2", "weight_decay", "initial_accumulator_value",
@@ -90,8 +95,8 @@ def decode_tensor(msg: pb.Tensor | RawTensor, what: str, error: type[EmbcacheErr
         present: False when the field was not set at all.
 
     Raises:
-        ``error``: missing field, disallowed dtype, wrong rank, negative dims, or a byte length
-        that does not match dtype x shape.
+        ``error``: missing field, disallowed dtype, wrong rank, negative dims or dims above
+        :data:`MAX_DIM`, or a byte length that does not match dtype x shape.
     """
     if not present:
         raise error(f"{what}: missing (a Tensor with dtype, shape and data is required)")
@@ -102,6 +107,8 @@ def decode_tensor(msg: pb.Tensor | RawTensor, what: str, error: type[EmbcacheErr
         raise error(f"{what}: shape {list(shape)} must have {ndim} dimension{'s' if ndim != 1 else ''}")
     if any(s < 0 for s in shape):
         raise error(f"{what}: shape {list(shape)} has a negative dimension")
+    if any(s > MAX_DIM for s in shape):
+        raise error(f"{what}: shape {list(shape)} is impossible: a dimension is above {MAX_DIM}")
     dt = _WIRE[msg.dtype]
     count = math.prod(shape)
     data = msg.data

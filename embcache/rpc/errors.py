@@ -47,6 +47,9 @@ __all__ = [
     "PermissionDeniedError",
     "RemoteError",
     "ShardRestartedError",
+    "StreamCancelledError",
+    "StreamIdleError",
+    "TLSMismatchError",
     "UnauthenticatedError",
     "UnavailableError",
     "error_from_name",
@@ -89,8 +92,30 @@ class UnavailableError(RemoteError):
     """
 
 
+class TLSMismatchError(UnavailableError):
+    """The client and a server do not agree on TLS: one speaks plaintext and the other TLS, the
+    server's certificate does not verify against the client's CA (or does not name the server),
+    or the server wants a client certificate the client did not present. Raised by the
+    :class:`~embcache.Client` constructor, whose calls could otherwise only time out."""
+
+
 class DeadlineExceededError(RemoteError):
     """The call's deadline passed before the server answered (DEADLINE_EXCEEDED)."""
+
+
+class StreamIdleError(DeadlineExceededError):
+    """The server cut a client stream that sent no message for its ``--stream-idle-seconds``.
+
+    Raised in the server (its status and metrics say DEADLINE_EXCEEDED); the client of a cut
+    stream sees the call cancelled.
+    """
+
+
+class StreamCancelledError(RemoteError):
+    """A client cancelled a request stream (or its deadline passed) before it ended: nothing of it was applied.
+
+    Raised in the server (status CANCELLED), where gRPC reports such a stream's end like a normal one.
+    """
 
 
 class UnauthenticatedError(RemoteError):
@@ -157,6 +182,8 @@ ERROR_STATUS: dict[type[BaseException], grpc.StatusCode] = {
     CacheClosedError: grpc.StatusCode.UNAVAILABLE,
     MigratingError: grpc.StatusCode.UNAVAILABLE,
     WrongShardError: grpc.StatusCode.FAILED_PRECONDITION,
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,  # (StreamIdleError, raised in the server)
+    StreamCancelledError: grpc.StatusCode.CANCELLED,  # (raised in the server)
     StoreLockedError: grpc.StatusCode.FAILED_PRECONDITION,
     StoreError: grpc.StatusCode.INTERNAL,
     EmbcacheError: grpc.StatusCode.INTERNAL,
@@ -174,7 +201,7 @@ _BY_CODE: dict[grpc.StatusCode, type[EmbcacheError]] = {
 
 _REMOTE_TYPES: dict[str, type[EmbcacheError]] = {
     t.__name__: t for t in (RemoteError, UnavailableError, DeadlineExceededError, UnauthenticatedError,
-                            PermissionDeniedError)
+                            PermissionDeniedError, TLSMismatchError, StreamIdleError, StreamCancelledError)
 }
 
 

@@ -53,8 +53,32 @@ UNAVAILABLE, marked not applied (embcache.Client resends them, writes included),
 Security: TLS with --tls-cert/--tls-key; mutual TLS adds --tls-client-ca (clients must present a
 certificate signed by it). --auth-token-file requires ``authorization: Bearer <token>`` on every
 cache call (missing or wrong: UNAUTHENTICATED); tokens in --auth-readonly-token-file may only
-call ListTables, Lookup and Stats (others: PERMISSION_DENIED). Health and reflection stay open
-for probes. Token files hold one token per line; EMBCACHE_AUTH_TOKEN adds a read-write token.
+call the methods of role "read" (the table of token roles at the end of this help; others:
+PERMISSION_DENIED). Health and reflection stay open for probes. Token files hold one token per
+line; EMBCACHE_AUTH_TOKEN adds a read-write token.
+
+Overload isolation: health checks (grpc.health.v1 Check) run on 2 threads of their own, so a
+probe is answered while every other thread is busy. Calls that stream, either way (the *Stream
+calls, Prefetch, EndPass, ResidentKeys), run on --stream-workers threads of their own (default
+max(2, workers / 2)) and never take the --workers threads of unary calls (Lookup, ApplyGradients,
+Assign, ...); when all are busy, further streams wait in a queue, holding no thread. A client
+stream that sends no message for --stream-idle-seconds (default 30) is cut: the call is cancelled
+(the client sees CANCELLED) and nothing of it is applied (a stream's chunks are applied together
+once it ends). Nor is a stream the client cancels, or whose deadline passes, before its end (gRPC
+reports such an end like a normal one: each stream's end waits up to 10 ms to tell them apart).
+A Lookup whose reply would exceed --max-message-bytes is refused
+(RESOURCE_EXHAUSTED, BatchTooLargeError) before any row is read or created, and a large one is
+handed to the cache 65,536 keys at a time (its working memory is one chunk's). Not bounded yet: a
+client that reads a server stream (ResidentKeys, Prefetch) slowly holds its stream thread.
+
+Lookups of unknown keys (any token, read-only ones too) return the initializer's rows and cache
+them in memory as clean rows: only an update or an assign makes a row dirty, so such rows are
+never written to the store (a flush or eviction drops them; looked up again, they come back the
+same). A read-only token thus creates no persisted row; its lookups move rows between the memory
+tiers like any other lookup, within the tiers' budgets and the reply-size limit.
+
+Malformed requests: bytes that are no valid request message and impossible tensor shapes get
+INVALID_ARGUMENT (embcache-error-type InvalidKeysError, "malformed ..." or the tensor's problem).
 
 Batch leases (Client.prefetch_batch, LookAhead over a Client): the rows of a leased batch stay
 pinned until the client releases them, or until the lease goes its time-to-live without a
@@ -74,6 +98,7 @@ units: "4GiB", "512MB" (KiB/MiB/GiB/TiB: powers of 1024; KB/MB/GB/TB: of 1000).
     metrics_port = 9400                # -1: no metrics server; 0: a free port
     max_message_bytes = 67108864       # per message, both directions
     max_lease_seconds = 600            # the longest time-to-live of a batch lease
+    stream_idle_seconds = 30           # cut a client stream silent this long
     [cache]                            # embcache.CacheConfig fields
     path = "./embcache-data"
     hbm_bytes = 1073741824
@@ -109,7 +134,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from .. import __version__
@@ -119,8 +144,17 @@ from ..errors import ConfigError
 from ..rpc.v1 import embcache_pb2 as pb
 from .leases import MIN_TTL_SECONDS, LeaseTable
 from .ledger import WriteLedger
+from .overload import HEALTH_THREADS, StreamWatchdog, add_health
 from .procmetrics import register_process_metrics
-from .servicer import READ_METHODS, SERVICE_NAME, WRITE_METHODS, Durability, EmbeddingCacheServicer, add_to_server
+from .servicer import (
+    READ_METHODS,
+    ROLES,
+    SERVICE_NAME,
+    Durability,
+    EmbeddingCacheServicer,
+    add_to_server,
+    roles_text,
+)
 from .sharding import ShardGate
 
 __all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
@@ -150,7 +184,12 @@ class ServerSettings:
         max_message_bytes: largest message in either direction (default 64 MiB).
         max_lease_seconds: the longest time-to-live a batch lease is granted (default 600): a
             client that stops renewing its leases (crashed, cut off) pins rows at most this long.
-        workers: threads serving calls (default 4 per core, at least 8).
+        workers: threads serving unary calls (default 4 per core, at least 8).
+        stream_workers: threads serving the calls that stream, either way (default half of
+            ``workers``, at least 2): streams never take the unary calls' threads, and wait in a
+            queue (holding no thread) when these are all busy. Health checks have 2 of their own.
+        stream_idle_seconds: a client stream that sends no message for this long is cut
+            (cancelled, nothing of it applied; default 30).
         torch_threads: torch's intra-op threads (0: torch's default, one per core). Concurrent
             calls already use the cores; 1 avoids threads waiting on each other on a busy machine.
         checkpoint_root: Checkpoint writes only under here (default ``<path>/checkpoints``).
@@ -171,6 +210,8 @@ class ServerSettings:
     max_message_bytes: int = 64 << 20
     max_lease_seconds: float = 600.0
     workers: int = 0
+    stream_workers: int = 0
+    stream_idle_seconds: float = 30.0
     torch_threads: int = 0
     checkpoint_root: str | None = None
     flush_every_updates: int = 0
@@ -223,7 +264,7 @@ def _read_config(path: str) -> dict[str, Any]:
 
 
 _TOP_KEYS = {"listen", "metrics_port", "metrics_host", "max_message_bytes", "max_lease_seconds", "workers",
-             "torch_threads",
+             "stream_workers", "stream_idle_seconds", "torch_threads",
              "checkpoint_root",
              "grace_seconds", "drain_seconds", "port_file", "cache", "tables", "durability", "tls", "auth"}
 _SECTION_KEYS = {
@@ -243,7 +284,7 @@ def _settings_from_dict(data: Mapping[str, Any]) -> ServerSettings:
             raise ConfigError(f"unknown [{section}] keys {sorted(extra)}; allowed: {sorted(keys)}")
     s = ServerSettings()
     for key in ("listen", "metrics_port", "metrics_host", "max_message_bytes", "max_lease_seconds", "workers",
-                "torch_threads",
+                "stream_workers", "stream_idle_seconds", "torch_threads",
                 "checkpoint_root",
                 "grace_seconds", "drain_seconds", "port_file"):
         if key in data:
@@ -380,7 +421,7 @@ def _parse_table(spec: str) -> TableConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (flags override the config file)."""
-    p = argparse.ArgumentParser(prog="embcache-server", description=__doc__,
+    p = argparse.ArgumentParser(prog="embcache-server", description=__doc__, epilog=roles_text(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"embcache-server {__version__}")
     p.add_argument("--config", help="TOML or JSON config file")
@@ -401,7 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lease-seconds", type=float,
                    help="longest time-to-live of a batch lease: a client that stops renewing its leases pins "
                         "rows at most this long (default 600)")
-    p.add_argument("--workers", type=int, help="threads serving calls (default max(8, 4 x cores))")
+    p.add_argument("--workers", type=int, help="threads serving unary calls (default max(8, 4 x cores))")
+    p.add_argument("--stream-workers", type=int,
+                   help="threads serving the calls that stream, either way (default max(2, workers / 2)); "
+                        "further streams wait in a queue holding no thread")
+    p.add_argument("--stream-idle-seconds", type=float, metavar="S",
+                   help="cut a client stream that sends no message for S seconds (default 30)")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
     p.add_argument("--checkpoint-root", help="Checkpoint writes only under this directory (default PATH/checkpoints)")
     p.add_argument("--flush-every-updates", type=int, metavar="N", help="flush before acknowledging every N-th write")
@@ -431,7 +477,8 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
     _from_environment(s, os.environ)
     overrides = {"listen": args.listen, "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                  "max_message_bytes": args.max_message_bytes, "max_lease_seconds": args.max_lease_seconds,
-                 "workers": args.workers,
+                 "workers": args.workers, "stream_workers": args.stream_workers,
+                 "stream_idle_seconds": args.stream_idle_seconds,
                  "torch_threads": args.torch_threads,
                  "checkpoint_root": args.checkpoint_root, "flush_every_updates": args.flush_every_updates,
                  "flush_interval_seconds": args.flush_interval_seconds, "sync": args.sync,
@@ -460,6 +507,10 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
         raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     if s.max_message_bytes < 1 << 16:
         raise ConfigError(f"max_message_bytes={s.max_message_bytes}: must be at least 65536")
+    if not 0 < float(s.stream_idle_seconds) < float("inf"):
+        raise ConfigError(f"stream_idle_seconds={s.stream_idle_seconds}: must be a number of seconds > 0")
+    if s.workers < 0 or s.stream_workers < 0:
+        raise ConfigError(f"workers={s.workers}, stream_workers={s.stream_workers}: must be >= 0 (0: the default)")
     if not MIN_TTL_SECONDS <= float(s.max_lease_seconds) < float("inf"):
         raise ConfigError(f"max_lease_seconds={s.max_lease_seconds}: must be a number of seconds >= {MIN_TTL_SECONDS}")
     return s, args
@@ -502,7 +553,7 @@ class _TokenAuth(grpc.ServerInterceptor):
         if token and _matches(token, self._rw):
             return continuation(details)
         if token and _matches(token, self._ro):
-            if name not in WRITE_METHODS:
+            if ROLES.get(name) != "write":  # (a name not in the service: gRPC answers UNIMPLEMENTED)
                 return continuation(details)
             return self._refuse(continuation(details), name, grpc.StatusCode.PERMISSION_DENIED,
                                 f"{name} needs a read-write token; this token may only call "
@@ -544,6 +595,7 @@ class RunningServer:
     grace_seconds: float
     drain_seconds: float = 0.0
     _metrics_httpd: Any = None
+    _pools: tuple[ThreadPoolExecutor, ...] = ()
     _stopped: bool = False
 
     def shutdown(self) -> None:
@@ -569,6 +621,8 @@ class RunningServer:
                 faulthandler.dump_traceback(all_threads=True)
             log.info("shutdown: calls finished after %.2f s", time.perf_counter() - t0)
             self.durability.stop()
+            for pool in self._pools:  # the stream and health threads: their calls ended with the server
+                pool.shutdown(wait=False, cancel_futures=True)
             self.servicer.close()  # cancels the batch leases: nothing pinned is left to the cache's close
             self.cache.close()
             self.durability.ledger.close()  # every write this process acknowledged is durable: say so on disk
@@ -644,17 +698,22 @@ def start_server(s: ServerSettings) -> RunningServer:
         register_process_metrics(registry, __version__)
         servicer = EmbeddingCacheServicer(cache, durability, info, observe,
                                           s.checkpoint_root or os.path.join(config.path, "checkpoints"),
-                                          LeaseTable(cache, float(s.max_lease_seconds)), gate)
+                                          LeaseTable(cache, float(s.max_lease_seconds)), gate,
+                                          StreamWatchdog(float(s.stream_idle_seconds)))
         workers = s.workers or max(8, 4 * (os.cpu_count() or 1))
+        stream_pool = ThreadPoolExecutor(max_workers=s.stream_workers or max(2, workers // 2),
+                                         thread_name_prefix="embcache-stream")
+        health_pool = ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="embcache-health")
+        pools = (stream_pool, health_pool)
         options = [("grpc.max_send_message_length", s.max_message_bytes),
                    ("grpc.max_receive_message_length", s.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # two servers must never share a port silently
         interceptors = [_TokenAuth(rw, ro, observe)] if rw or ro else []
         server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embcache-rpc"),
                              options=options, interceptors=interceptors)
-        add_to_server(servicer, server)
+        add_to_server(servicer, server, stream_pool)
         health_servicer = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        add_health(health_servicer, server, health_pool)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
         try:
@@ -677,7 +736,7 @@ def start_server(s: ServerSettings) -> RunningServer:
         cache.close()
         raise
     return RunningServer(server, cache, servicer, health_servicer, durability, port, metrics_port,
-                         s.grace_seconds, s.drain_seconds, httpd)
+                         s.grace_seconds, s.drain_seconds, httpd, pools)
 
 
 def _die_with_parent() -> None:

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -29,6 +29,7 @@ import torch
 
 from ..cache import EmbeddingCache
 from ..errors import (
+    BatchTooLargeError,
     CacheClosedError,
     ConfigError,
     EmbcacheError,
@@ -48,6 +49,7 @@ from ..rpc.errors import (
     MAP_VERSION_KEY,
     NOT_APPLIED_KEY,
     SHARD_MAP_KEY,
+    StreamCancelledError,
     status_of,
 )
 from ..rpc.v1 import embcache_pb2 as pb
@@ -55,10 +57,11 @@ from ..rpc.v1 import embcache_pb2_grpc as pb_grpc
 from ..sizing import store_record_bytes
 from .leases import LeaseTable
 from .ledger import WriteLedger
+from .overload import StreamWatchdog, on_pool
 from .sharding import ShardGate
 
-__all__ = ["READ_METHODS", "SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer",
-           "add_to_server"]
+__all__ = ["READ_METHODS", "ROLES", "SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer",
+           "add_to_server", "roles_text"]
 
 log = logging.getLogger("embcache.server")
 R = TypeVar("R")
@@ -68,16 +71,55 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].full_name
 # into views of those bytes) and the Lookup reply leaves as bytes joined once from the rows' memory.
 _RAW_REQUESTS = frozenset({"Lookup", "ApplyGradients", "Assign"})
 _RAW_RESPONSES = frozenset({"Lookup"})
+#: Keys a Lookup hands the cache per call: a larger request is looked up in chunks of this many
+#: (same rows; the cache's working memory stays that of one chunk).
+LOOKUP_CHUNK_KEYS = 1 << 16
+_REPLY_ENTRY_BYTES = 256  # a Lookup reply's bytes per table besides its rows and name (headers, padding), at most
+_CANCEL_GRACE_SECONDS = 0.01  # how long a request stream's end waits to learn that it was a cancellation
+_NAME_MAX, _PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
 
-#: Methods that change rows, tables, passes, pins or files; a read-only token may call the others.
-WRITE_METHODS = frozenset({"CreateTable", "ApplyGradients", "ApplyGradientsStream", "Assign", "AssignStream",
-                           "Prefetch", "PrefetchStream", "BeginPass", "BeginPassStream", "EndPass",
-                           "PrefetchBatch", "PrefetchBatchStream", "RenewLeases", "ReleaseLeases",
-                           "Flush", "Checkpoint", "GetShardMap", "SetShardMap", "ExportRows", "ImportRows",
-                           "CommitShardMap"})
-#: Methods a read-only token may call.
-READ_METHODS = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods
-                         ) - WRITE_METHODS
+#: The one table of token roles: every method of the service -> the role a bearer token needs to
+#: call it. "read": any token, read-only ones too (the call changes no row, table, pass, pin or
+#: file); "write": read-write tokens only. The server's token check, ``embcache-server --help``,
+#: the README's table (between its ``roles`` markers) and the tests all come from this table.
+#: ResidentKeys is a read: it lists keys and changes nothing. The resharding calls (GetShardMap
+#: ... CommitShardMap) are writes: only the operator's reshard makes them.
+ROLES: dict[str, str] = {
+    "ListTables": "read", "Lookup": "read", "Stats": "read", "ResidentKeys": "read",
+    "CreateTable": "write", "ApplyGradients": "write", "ApplyGradientsStream": "write", "Assign": "write",
+    "AssignStream": "write", "Prefetch": "write", "PrefetchStream": "write", "BeginPass": "write",
+    "BeginPassStream": "write", "EndPass": "write", "PrefetchBatch": "write", "PrefetchBatchStream": "write",
+    "RenewLeases": "write", "ReleaseLeases": "write", "Flush": "write", "Checkpoint": "write",
+    "GetShardMap": "write", "SetShardMap": "write", "ExportRows": "write", "ImportRows": "write",
+    "CommitShardMap": "write",
+}
+_SERVICE_METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods}
+if set(ROLES) != _SERVICE_METHODS or set(ROLES.values()) != {"read", "write"}:  # a new method needs its role
+    raise ImportError(f"ROLES must give every method 'read' or 'write': {sorted(set(ROLES) ^ _SERVICE_METHODS)}")
+#: Methods that change rows, tables, passes, pins or files (role "write").
+WRITE_METHODS = frozenset(m for m, role in ROLES.items() if role == "write")
+#: Methods a read-only token may call (role "read").
+READ_METHODS = frozenset(m for m, role in ROLES.items() if role == "read")
+
+
+def roles_text(markdown: bool = False) -> str:
+    """The token roles of :data:`ROLES` in words: for ``--help``, or as the README's Markdown table."""
+    rows = [("read", "any token (read-only ones too)", sorted(READ_METHODS)),
+            ("write", "read-write tokens only", sorted(WRITE_METHODS))]
+    if markdown:
+        return "\n".join(["| role | who may call | methods |", "| --- | --- | --- |",
+                          *(f"| {role} | {who} | {', '.join(methods)} |" for role, who, methods in rows)])
+    lines = ["Token roles (which bearer token may call which method; embcache.server.servicer.ROLES):"]
+    for role, who, methods in rows:
+        lines.append(f"  {role} - {who}:")
+        text, width = "", 96
+        for m in methods:
+            if text and len(text) + len(m) + 2 > width:
+                lines.append(f"    {text},")
+                text = ""
+            text = f"{text}, {m}" if text else m
+        lines.append(f"    {text}")
+    return "\n".join(lines)
 
 
 class Durability:
@@ -261,7 +303,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
 
     def __init__(self, cache: EmbeddingCache, durability: Durability, server_info: pb.ServerInfo,
                  observe: Callable[[str, str, float], None], checkpoint_root: str,
-                 leases: LeaseTable | None = None, gate: ShardGate | None = None) -> None:
+                 leases: LeaseTable | None = None, gate: ShardGate | None = None,
+                 watchdog: StreamWatchdog | None = None) -> None:
         self._cache = cache
         self._gate = gate if gate is not None else ShardGate(cache.config.path, cache)
         self._durability = durability
@@ -272,6 +315,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         self._ledger = durability.ledger
         self._incarnation = durability.ledger.incarnation
         self._incarnation_hex = f"{self._incarnation:016x}"
+        self._watchdog = watchdog
         self.leases = leases if leases is not None else LeaseTable(
             cache, server_info.max_lease_seconds or 600.0)
 
@@ -283,6 +327,12 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     def close(self) -> None:
         """Cancel every batch lease and stop their reaper (after the server stopped, before the cache closes)."""
         self.leases.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
+
+    def watch(self, requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Iterator[Any]:
+        """A client stream's requests, cut after the idle time of the stream watchdog (if any)."""
+        return requests if self._watchdog is None else self._watchdog.watch(requests, context, method)
 
     # ------------------------------------------------------------------ error and latency plumbing
     def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException, t0: float) -> None:
@@ -301,6 +351,12 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         self._observe(method, code.name, time.perf_counter() - t0)
         context.set_trailing_metadata(tuple(meta))
         context.abort(code, message)
+
+    def refuse_malformed(self, method: str, context: grpc.ServicerContext, message: str) -> None:
+        """Abort a call whose request bytes are no valid message: INVALID_ARGUMENT, InvalidKeysError, not applied."""
+        self._observe(method, "INVALID_ARGUMENT", 0.0)
+        context.set_trailing_metadata(((ERROR_TYPE_KEY, InvalidKeysError.__name__), (NOT_APPLIED_KEY, "1")))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     def _refuse_if_stopping(self, method: str, context: grpc.ServicerContext, t0: float) -> None:
         if self._stopping.is_set():
@@ -389,18 +445,41 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             keys = {tk.table: _keys(tk) for tk in tables}
             self._gate.check_read(self._map_version(context), {n: k.numpy() for n, k in keys.items()})
             known = self._cache.tables()
+            self._check_reply_size(keys, known)
             if any(name not in known for name in keys):  # the library raises UnknownTableError, having read nothing
                 rows = self._cache.lookup_many(keys)  # (or the table was created meanwhile)
                 return wire.encode_lookup_response([(n, r.cpu().numpy()) for n, r in rows.items()])
             reply, views = wire.new_lookup_response([(n, k.numel(), known[n].dim) for n, k in keys.items()])
             on_cpu = self._cache.device.type == "cpu"
             for (name, k), out in zip(keys.items(), views, strict=True):
-                if on_cpu:
-                    self._cache.lookup(name, k, out=out)
-                else:  # the rows leave the device once, into the reply
-                    out.copy_(self._cache.lookup(name, k))
+                # In chunks: the cache's working memory for a batch (unique keys, staged rows, their
+                # placement) grows with the batch, so one lookup of 8M unknown keys (a 64 MiB request)
+                # peaked 4 GiB above the tier budgets; per chunk it stays bounded.
+                for start in range(0, max(k.numel(), 1), LOOKUP_CHUNK_KEYS):
+                    end = start + LOOKUP_CHUNK_KEYS
+                    if on_cpu:
+                        self._cache.lookup(name, k[start:end], out=out[start:end])
+                    else:  # the rows leave the device once, into the reply
+                        out[start:end].copy_(self._cache.lookup(name, k[start:end]))
             return reply
         return self._run("Lookup", context, lookup)
+
+    def _check_reply_size(self, keys: dict[str, torch.Tensor], known: dict[str, Any]) -> None:
+        """Refuse a Lookup whose reply could not be sent, before any row is read or created.
+
+        Raises:
+            BatchTooLargeError: the rows would exceed the send limit (RESOURCE_EXHAUSTED).
+        """
+        limit = self._info.max_send_message_bytes
+        if not limit:
+            return
+        size = sum(4 * k.numel() * known[n].dim + _REPLY_ENTRY_BYTES + len(n.encode())
+                   for n, k in keys.items() if n in known)
+        if size > limit:
+            raise BatchTooLargeError(
+                f"Lookup: the reply would hold {size} bytes of rows, over the server's send limit of {limit} "
+                f"bytes; nothing was read. Send fewer keys per call (embcache.Client splits its batches by the "
+                f"limits the server reports)")
 
     def _apply(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], context: grpc.ServicerContext) -> None:
         with self._gate.writing(self._map_version(context), {n: k.numpy() for n, (k, _) in updates.items()}):
@@ -661,8 +740,86 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server) -> None:
-    """Register the servicer, with bytes in and out for the hot calls (the generated helper would parse them)."""
+class _Malformed:
+    """What a request deserializer hands the handler for bytes that are no valid request (it never raises).
+
+    gRPC answers a deserializer's exception with INTERNAL ("Exception deserializing request!")
+    and no metadata; the handler refuses this with INVALID_ARGUMENT and the error type instead.
+    """
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _parser(request_type: Any) -> Callable[[bytes], Any]:
+    """``request_type.FromString`` that returns a :class:`_Malformed` instead of raising."""
+    name = request_type.DESCRIPTOR.name
+
+    def parse(data: bytes) -> Any:
+        try:
+            request = request_type.FromString(data)
+        except Exception as exc:  # DecodeError, or whatever else the parser raises on garbage
+            return _Malformed(f"malformed {name}: {exc or 'not a valid protobuf message'}")
+        problem = _checkpoint_problem(request.directory) if name == "CheckpointRequest" else None
+        return _Malformed(f"malformed {name}: {problem}") if problem else request
+    return parse
+
+
+def _checkpoint_problem(directory: str) -> str | None:
+    """Why ``directory`` can be no path on this system (the OS would refuse it with an OSError), or None."""
+    if "\0" in directory:
+        return "the directory name holds a NUL character"
+    if len(directory.encode()) >= _PATH_MAX or any(len(p.encode()) > _NAME_MAX for p in directory.split("/")):
+        return f"the directory name is longer than a path ({_PATH_MAX} bytes) or a name in it ({_NAME_MAX}) may be"
+    return None
+
+
+def _checked(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Iterator[Any]:
+    """A request stream whose malformed message raises InvalidKeysError where the handler reads it,
+    and whose end raises StreamCancelledError when the client cancelled it instead of closing it.
+
+    gRPC ends the requests of a call the client cancelled (or whose deadline passed) mid-stream
+    just as if the client had sent its last chunk, and learns of the cancellation a moment later:
+    a handler that took that for the end applied the chunks it had (half of the cancelled streams
+    in a test). So the end waits up to ``_CANCEL_GRACE_SECONDS`` for the call to turn inactive.
+    """
+    ended = threading.Event()
+    context.add_callback(ended.set)  # runs when the call terminates (cancelled, or finished)
+    for request in requests:
+        if isinstance(request, _Malformed):
+            raise InvalidKeysError(request.message)
+        yield request
+    ended.wait(_CANCEL_GRACE_SECONDS)
+    if not context.is_active():
+        raise StreamCancelledError(f"{method}: the client cancelled the stream (or its deadline passed) before "
+                                   "it ended; nothing of it was applied")
+
+
+def _guarded(servicer: EmbeddingCacheServicer, name: str, streaming: bool) -> Callable[[Any, Any], Any]:
+    """The servicer's method ``name``, refusing a malformed request with INVALID_ARGUMENT before it runs
+    (and with a request stream, cut when it idles: see :class:`~embcache.server.overload.StreamWatchdog`)."""
+    method = getattr(servicer, name)
+    if streaming:
+        return lambda requests, context: method(_checked(servicer.watch(requests, context, name), context, name),
+                                                context)
+
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            servicer.refuse_malformed(name, context, request.message)
+        return method(request, context)
+    return unary
+
+
+def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server,
+                  stream_pool: ThreadPoolExecutor | None = None) -> None:
+    """Register the servicer, with bytes in and out for the hot calls (the generated helper would parse them).
+
+    Every request deserializer returns instead of raising: bytes that are no valid request get
+    INVALID_ARGUMENT (InvalidKeysError, "malformed ..."), never gRPC's own INTERNAL. With
+    ``stream_pool``, the calls that stream (either way) run on it, not on the server's pool.
+    """
     handlers = {}
     make = {(False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
@@ -671,9 +828,12 @@ def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server) -> None
     for method in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods:
         request_type = getattr(pb, method.input_type.name)
         response_type = getattr(pb, method.output_type.name)
+        behavior = _guarded(servicer, method.name, method.client_streaming)
+        if stream_pool is not None and (method.client_streaming or method.server_streaming):
+            behavior = on_pool(behavior, stream_pool)
         handlers[method.name] = make[(method.client_streaming, method.server_streaming)](
-            getattr(servicer, method.name),
-            request_deserializer=_identity if method.name in _RAW_REQUESTS else request_type.FromString,
+            behavior,
+            request_deserializer=_identity if method.name in _RAW_REQUESTS else _parser(request_type),
             response_serializer=_identity if method.name in _RAW_RESPONSES else response_type.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -79,7 +79,9 @@ class LMDBStore(Store):
         super().__init__(path)
 
     def _error_class(self, exc: BaseException) -> type[StoreError]:
-        if isinstance(exc, lmdb.MapFullError):
+        # MDB_MAP_FULL: the map_size is reached; DiskError: LMDB's name for ENOSPC (a full disk),
+        # whatever the locale made of its message.
+        if isinstance(exc, (lmdb.MapFullError, lmdb.DiskError)):
             return StoreFullError
         return super()._error_class(exc)
 
