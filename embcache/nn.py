@@ -42,6 +42,22 @@ Copies. ``copy.deepcopy`` of a module (or of a model holding one) shares the cac
 reads and trains the same table; ``module.to(device)`` changes nothing (there is nothing to move).
 The modules cannot be pickled with the cache; persist the rows with the cache's ``checkpoint``.
 
+TorchRec. :class:`CachedEmbeddingBagCollection` stands in for torchrec's ``EmbeddingBagCollection``
+(torchrec is optional; nothing here imports it unless a KeyedJaggedTensor comes in):
+
+* Input: a ``KeyedJaggedTensor``, duck-typed (``keys()``, ``values()``, ``lengths()`` or
+  ``offsets()``, optionally ``weights_or_none()`` as per-sample weights and ``stride_per_key()``
+  for variable batch sizes per feature), or the mapping ``{feature: input}`` as before. Features
+  of the KJT that the collection does not have are ignored (torchrec's rule).
+* Output follows the input: a mapping gives ``{feature: tensor}`` (as always); a KJT gives a
+  torchrec ``KeyedTensor`` (keys in the collection's feature order) when torchrec is installed,
+  else that same dict.
+* Configuration: :meth:`CachedEmbeddingBagCollection.from_torchrec` takes torchrec's
+  ``EmbeddingBagConfig``s (``name`` is the cache table, ``embedding_dim`` must be its dim,
+  ``feature_names`` and per-table ``pooling`` SUM or MEAN are kept, ``num_embeddings`` is ignored:
+  keys are any int64) and :meth:`~CachedEmbeddingBagCollection.embedding_bag_configs` gives them
+  back, which torchrec's DLRM reads; :func:`tables_from_torchrec` makes the cache's TableConfigs.
+
 Errors (raised before anything is looked up, so a bad batch changes nothing):
 
 * ``TypeError``: input, offsets or per_sample_weights is not a tensor (or None where allowed).
@@ -70,6 +86,7 @@ last bag); ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are not offered.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -89,6 +106,7 @@ __all__ = [
     "CachedEmbeddingBag",
     "CachedEmbeddingBagCollection",
     "FeatureInput",
+    "tables_from_torchrec",
 ]
 
 #: Pooling modes of the bag modules (torch's).
@@ -581,8 +599,9 @@ class CachedEmbeddingBagCollection(_CacheModule):
         TypeError: ``cache`` lacks the cache methods.
     """
 
-    def __init__(self, cache: CacheLike, features: Mapping[str, str] | Sequence[str], mode: str = "sum",
-                 include_last_offset: bool = False, device: torch.device | str | None = None) -> None:
+    def __init__(self, cache: CacheLike, features: Mapping[str, str] | Sequence[str],
+                 mode: str | Mapping[str, str] = "sum", include_last_offset: bool = False,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         _check_cache(cache)
         if isinstance(features, Mapping):
@@ -601,35 +620,109 @@ class CachedEmbeddingBagCollection(_CacheModule):
             raise ConfigError(f"feature and table names must be strings, got {bad[:4]}")
         self.cache = cache
         self.features: dict[str, str] = mapping
-        self.mode = _check_mode(mode)
+        if isinstance(mode, Mapping):
+            if set(mode) != set(mapping):
+                raise ConfigError(f"mode per feature must name exactly the features {sorted(mapping)}, "
+                                  f"got {sorted(mode, key=repr)}")
+            self.modes: dict[str, str] = {f: _check_mode(mode[f]) for f in mapping}
+        else:
+            self.modes = dict.fromkeys(mapping, _check_mode(mode))
+        #: the pooling mode of every feature, or None when they differ (see ``modes``)
+        self.mode: str | None = next(iter(self.modes.values())) if len(set(self.modes.values())) == 1 else None
         self.include_last_offset = bool(include_last_offset)
         self._init_device(device)
         self.table_dims = {t: _table_config(cache, t).dim for t in dict.fromkeys(mapping.values())}
         self.embedding_dims = {f: self.table_dims[t] for f, t in mapping.items()}
+        self._torchrec_configs: list[Any] | None = None
 
-    def forward(self, batch: Mapping[str, FeatureInput]) -> dict[str, torch.Tensor]:
-        """Pooled rows of each feature's bags: ``{feature: float32 [B_f, dim]}`` on :attr:`output_device`.
+    @classmethod
+    def from_torchrec(cls, cache: CacheLike, tables: Sequence[Any],
+                      device: torch.device | str | None = None) -> CachedEmbeddingBagCollection:
+        """A collection configured like ``torchrec.EmbeddingBagCollection(tables=tables)``.
+
+        Each ``EmbeddingBagConfig`` (anything with ``name``, ``embedding_dim``, ``feature_names``
+        and ``pooling``) names a cache table (``name``, whose ``dim`` must equal
+        ``embedding_dim``); its features read that table with its pooling (``PoolingType.SUM``
+        or ``MEAN``). ``num_embeddings`` is ignored: keys are any int64, as everywhere in the
+        cache (a key >= num_embeddings is a row like any other, where torchrec would fail).
+        Outputs come in torchrec's order: the tables' feature names, table by table.
+        :func:`tables_from_torchrec` makes matching :class:`~embcache.TableConfig`s.
+
+        Raises:
+            UnknownTableError: a table is not in the cache.
+            ConfigError: a dimension differs from the cache's table, a feature is repeated, or
+                a pooling is not SUM or MEAN (``PoolingType.NONE``, unpooled, is not offered).
+        """
+        features: dict[str, str] = {}
+        modes: dict[str, str] = {}
+        for cfg in tables:
+            name, dim = cfg.name, cfg.embedding_dim
+            pooling = str(getattr(cfg.pooling, "value", cfg.pooling)).lower()
+            if pooling not in ("sum", "mean"):
+                raise ConfigError(f"table {name!r}: pooling {cfg.pooling!r} is not offered; use SUM or MEAN")
+            table_dim = _table_config(cache, name).dim
+            if table_dim != dim:
+                raise ConfigError(f"table {name!r}: embedding_dim={dim} but the cache's table has dim={table_dim}")
+            for f in cfg.feature_names:
+                if f in features:
+                    raise ConfigError(f"feature {f!r} appears in tables {features[f]!r} and {name!r}")
+                features[f], modes[f] = name, pooling
+        ebc = cls(cache, features, mode=modes, device=device)
+        ebc._torchrec_configs = list(tables)
+        return ebc
+
+    def embedding_bag_configs(self) -> list[Any]:
+        """The configs of torchrec's ``EmbeddingBagCollection.embedding_bag_configs()`` (DLRM reads them).
+
+        Those passed to :meth:`from_torchrec`; else one per table with ``name``, ``embedding_dim``,
+        ``feature_names``, ``pooling`` (upper case, the table's first feature's) and ``num_embeddings=0``.
+        """
+        if self._torchrec_configs is not None:
+            return list(self._torchrec_configs)
+        return [_TableView(t, d, [f for f, ft in self.features.items() if ft == t],
+                           self.modes[next(f for f, ft in self.features.items() if ft == t)].upper())
+                for t, d in self.table_dims.items()]
+
+    def forward(self, batch: Mapping[str, FeatureInput] | Any) -> Any:
+        """Pooled rows of each feature's bags, on :attr:`output_device`.
 
         Args:
-            batch: every configured feature (and no other) -> a 2-D input, ``(input, offsets)`` or
-                ``(input, offsets, per_sample_weights)``.
+            batch: either a mapping of every configured feature (and no other) to a 2-D input,
+                ``(input, offsets)`` or ``(input, offsets, per_sample_weights)``; or a torchrec
+                ``KeyedJaggedTensor`` (or any object with its ``keys()``, ``values()``,
+                ``lengths()`` or ``offsets()`` and optionally ``weights_or_none()`` and
+                ``stride_per_key()``) holding every configured feature (others are ignored, as
+                torchrec's collection does), whose weights are the per-sample weights.
+
+        Returns:
+            For a mapping, ``{feature: float32 [B_f, dim]}`` in the order of ``features``. For a
+            KeyedJaggedTensor, a torchrec ``KeyedTensor`` (keys: the features in that order,
+            values float32 [B, sum of dims]) when torchrec is installed, else that same dict.
 
         Raises:
             TypeError, InvalidKeysError, NotImplementedError: see the module docstring; messages
                 name the feature.
             The errors of the cache's ``lookup_many`` (nothing changed).
         """
-        if not isinstance(batch, Mapping):
-            raise TypeError(f"batch must be a mapping feature -> input, got {type(batch).__name__}")
-        if set(batch) != set(self.features):
-            missing = sorted(set(self.features) - set(batch))
-            unknown = sorted(set(batch) - set(self.features), key=repr)
-            raise InvalidKeysError(f"batch features must be exactly {sorted(self.features)}; "
-                                   f"missing {missing}, unknown {unknown}")
         device = self.cache.device
-        bags = {f: _canonical_bags(*_unpack(f, batch[f]), self.include_last_offset, self.mode, device,
-                                   self.output_device, prefix=f"feature {f!r}: ")
-                for f in self.features}
+        keyed = _is_kjt(batch)
+        if keyed:
+            parts = _kjt_features(batch, list(self.features))
+            bags = {f: _canonical_bags(*parts[f], True, self.modes[f], device, self.output_device,
+                                       prefix=f"feature {f!r}: ")
+                    for f in self.features}
+        else:
+            if not isinstance(batch, Mapping):
+                raise TypeError(f"batch must be a mapping feature -> input or a KeyedJaggedTensor, "
+                                f"got {type(batch).__name__}")
+            if set(batch) != set(self.features):
+                missing = sorted(set(self.features) - set(batch))
+                unknown = sorted(set(batch) - set(self.features), key=repr)
+                raise InvalidKeysError(f"batch features must be exactly {sorted(self.features)}; "
+                                       f"missing {missing}, unknown {unknown}")
+            bags = {f: _canonical_bags(*_unpack(f, batch[f]), self.include_last_offset, self.modes[f], device,
+                                       self.output_device, prefix=f"feature {f!r}: ")
+                    for f in self.features}
         ukeys: dict[str, torch.Tensor] = {}
         inverses: dict[str, torch.Tensor] = {}
         for table in self.table_dims:
@@ -639,11 +732,17 @@ class CachedEmbeddingBagCollection(_CacheModule):
             inverses.update(zip(feats, inverse.split([k.numel() for k in keys]), strict=True))
         fetch = _Fetch(self.cache, ukeys, self.table_dims, many=True)
         rows = dict(zip(fetch.names, _rows(fetch, self.training and torch.is_grad_enabled()), strict=True))
-        return {f: _pool(bags[f], inverses[f], rows[t], self.mode) for f, t in self.features.items()}
+        out = {f: _pool(bags[f], inverses[f], rows[t], self.modes[f]) for f, t in self.features.items()}
+        keyed_tensor = _keyed_tensor_class() if keyed else None
+        if keyed_tensor is None:
+            return out
+        return keyed_tensor(keys=list(out), length_per_key=[self.embedding_dims[f] for f in out],
+                            values=torch.cat(list(out.values()), dim=1), key_dim=1)
 
     def extra_repr(self) -> str:
-        """The features, their tables and the pooling mode."""
-        return f"features={self.features!r}, mode={self.mode!r}{self._device_repr()}"
+        """The features, their tables and the pooling mode(s)."""
+        mode = f"mode={self.mode!r}" if self.mode is not None else f"modes={self.modes!r}"
+        return f"features={self.features!r}, {mode}{self._device_repr()}"
 
 
 def _unpack(feature: str, value: Any) -> tuple[Any, Any, Any]:
@@ -654,3 +753,79 @@ def _unpack(feature: str, value: Any) -> tuple[Any, Any, Any]:
         return value[0], value[1], value[2] if len(value) == 3 else None
     raise TypeError(f"feature {feature!r}: expected a 2-D tensor, (input, offsets) or "
                     f"(input, offsets, per_sample_weights), got {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------- torchrec interop
+def _is_kjt(batch: Any) -> bool:
+    """Whether ``batch`` looks like a torchrec KeyedJaggedTensor (duck-typed: torchrec is optional)."""
+    if isinstance(batch, Mapping):
+        return False
+    has = [callable(getattr(batch, m, None)) for m in ("keys", "values", "lengths", "offsets")]
+    return has[0] and has[1] and (has[2] or has[3])
+
+
+def _kjt_features(kjt: Any, wanted: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Per wanted feature of a KeyedJaggedTensor: (values, offsets [B + 1] including the end, weights)."""
+    keys = list(kjt.keys())
+    missing = [f for f in wanted if f not in keys]
+    if missing:
+        raise InvalidKeysError(f"the KeyedJaggedTensor lacks features {missing}; it has {keys}")
+    values = _check_index_tensor("values()", kjt.values(), "KeyedJaggedTensor ")
+    weights = kjt.weights_or_none() if callable(getattr(kjt, "weights_or_none", None)) else None
+    if callable(getattr(kjt, "lengths", None)):
+        lengths = kjt.lengths()
+    else:
+        offsets = kjt.offsets()
+        lengths = offsets[1:] - offsets[:-1]
+    lengths = _check_index_tensor("lengths()", lengths, "KeyedJaggedTensor ").to(torch.int64)
+    if callable(getattr(kjt, "stride_per_key", None)):
+        strides = [int(s) for s in kjt.stride_per_key()]
+    else:
+        if keys and lengths.numel() % len(keys):
+            raise InvalidKeysError(f"KeyedJaggedTensor: {lengths.numel()} lengths do not split over {len(keys)} keys")
+        strides = [lengths.numel() // len(keys)] * len(keys) if keys else []
+    if sum(strides) != lengths.numel() or (lengths.numel() and bool((lengths < 0).any())):
+        raise InvalidKeysError(f"KeyedJaggedTensor: lengths (shape {tuple(lengths.shape)}) do not match strides "
+                               f"{strides} or are negative")
+    per_key = lengths.split(strides)
+    counts = torch.stack([p.sum() for p in per_key]).tolist() if per_key else []
+    if sum(counts) != values.numel():
+        raise InvalidKeysError(f"KeyedJaggedTensor: lengths sum to {sum(counts)} but there are {values.numel()} values")
+    vals = values.split(counts)
+    wts = weights.split(counts) if weights is not None else [None] * len(keys)
+    out = {}
+    for i, k in enumerate(keys):
+        if k in wanted:
+            off = torch.cat([per_key[i].new_zeros(1), per_key[i].cumsum(0)])
+            out[k] = (vals[i], off, wts[i])
+    return out
+
+
+@dataclass
+class _TableView:
+    """The fields of torchrec's EmbeddingBagConfig that its models read."""
+
+    name: str
+    embedding_dim: int
+    feature_names: list[str]
+    pooling: str
+    num_embeddings: int = 0
+
+
+@functools.lru_cache(maxsize=1)
+def _keyed_tensor_class() -> Any:
+    """torchrec's KeyedTensor, or None when torchrec is not installed."""
+    try:
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+    except ImportError:
+        return None
+    return KeyedTensor
+
+
+def tables_from_torchrec(tables: Sequence[Any], **options: Any) -> list[TableConfig]:
+    """:class:`~embcache.TableConfig`s for torchrec ``EmbeddingBagConfig``s (name and dim; ``options`` the rest).
+
+    E.g. ``tables_from_torchrec(configs, optimizer="adagrad", lr=0.01)``; the cache built on them
+    serves :meth:`CachedEmbeddingBagCollection.from_torchrec` over the same configs.
+    """
+    return [TableConfig(name=cfg.name, dim=cfg.embedding_dim, **options) for cfg in tables]
