@@ -58,6 +58,17 @@ TorchRec. :class:`CachedEmbeddingBagCollection` stands in for torchrec's ``Embed
   keys are any int64) and :meth:`~CachedEmbeddingBagCollection.embedding_bag_configs` gives them
   back, which torchrec's DLRM reads; :func:`tables_from_torchrec` makes the cache's TableConfigs.
 
+torch.compile. The modules' ``forward`` is wrapped in ``torch.compiler.disable``: Dynamo does not
+trace into it (it would reach the store's numpy code and the data-dependent ``torch.unique``)
+and makes a graph break there instead, so a model holding the modules compiles with any backend
+(inductor by default) and its dense layers are compiled, while the cache calls run eagerly.
+Their autograd node is an ordinary one in the middle of the compiled graphs, so
+``loss.backward()`` still hands the gradients to the cache. Training is the same as in eager
+mode (tests/test_nn_compile.py). The lookup is not a ``torch.library`` custom op on purpose: its
+output size depends on the batch's unique keys and its backward has a side effect (the optimizer
+step in the cache) that an op returning nothing would have to keep from being pruned; the graph
+break costs one Python call per module and forward, next to a cache round trip.
+
 Errors (raised before anything is looked up, so a bad batch changes nothing):
 
 * ``TypeError``: input, offsets or per_sample_weights is not a tensor (or None where allowed).
@@ -476,6 +487,7 @@ class CachedEmbedding(_CacheModule):
         self.padding_idx = _check_padding_idx(padding_idx)
         self._init_device(device)
 
+    @torch.compiler.disable  # the cache is outside the graph: see "torch.compile" in the module docstring
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Rows of ``input``'s keys: float32 ``input.shape + (dim,)`` on :attr:`output_device`.
 
@@ -540,6 +552,7 @@ class CachedEmbeddingBag(_CacheModule):
         self.padding_idx = _check_padding_idx(padding_idx)
         self._init_device(device)
 
+    @torch.compiler.disable  # the cache is outside the graph: see "torch.compile" in the module docstring
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled rows of each bag: float32 [B, dim] on :attr:`output_device`.
@@ -683,6 +696,7 @@ class CachedEmbeddingBagCollection(_CacheModule):
                            self.modes[next(f for f, ft in self.features.items() if ft == t)].upper())
                 for t, d in self.table_dims.items()]
 
+    @torch.compiler.disable  # the cache is outside the graph: see "torch.compile" in the module docstring
     def forward(self, batch: Mapping[str, FeatureInput] | Any) -> Any:
         """Pooled rows of each feature's bags, on :attr:`output_device`.
 
