@@ -194,3 +194,51 @@ def test_torchrec_dlrm_with_the_cached_collection_trains_like_torchrec(make_cach
     for name, bag in ref.sparse_arch.embedding_bag_collection.embedding_bags.items():
         n = bag.weight.shape[0]
         torch.testing.assert_close(cache.lookup(name, torch.arange(n)), bag.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_torchrec_dlrm_with_the_cached_collection_compiles(tmp_path: Any) -> None:
+    """torch.compile of torchrec's DLRM holding the cached collection: KJT in, KeyedTensor out across
+    the graph break; the same losses (bitwise here) and rows as eager. One store: compiling is slow."""
+    torchrec = pytest.importorskip("torchrec")
+    from torchrec.models.dlrm import DLRM
+
+    from embcache import CacheConfig, EmbeddingCache
+
+    configs = [torchrec.EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=60, feature_names=["f0", "f1"]),
+               torchrec.EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=40, feature_names=["f2"])]
+    torch.manual_seed(0)
+    ref = DLRM(embedding_bag_collection=torchrec.EmbeddingBagCollection(tables=configs),
+               dense_in_features=4, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+    caches, models = [], []
+    for name in ("eager", "compiled"):
+        cache = EmbeddingCache(CacheConfig(hbm_bytes=1 << 20, ddr_bytes=1 << 20, path=str(tmp_path / name)),
+                               tables_from_torchrec(configs, optimizer="adagrad", lr=0.1, seed=5))
+        model = copy.deepcopy(ref)
+        model.sparse_arch.embedding_bag_collection = CachedEmbeddingBagCollection.from_torchrec(cache, configs)
+        caches.append(cache)
+        models.append(model)
+    try:
+        runs = [(models[0], torch.optim.SGD(models[0].parameters(), lr=0.1)),
+                (torch.compile(models[1]), torch.optim.SGD(models[1].parameters(), lr=0.1))]
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            lengths = torch.randint(0, 4, (3 * 16,), generator=gen)
+            sizes = lengths.view(3, 16).sum(1).tolist()
+            values = torch.cat([torch.randint(0, n, (s,), generator=gen)
+                                for n, s in zip([60, 60, 40], sizes, strict=True)])
+            kjt = torchrec.KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=values, lengths=lengths)
+            dense, labels = torch.randn(16, 4, generator=gen), torch.randint(0, 2, (16,), generator=gen).float()
+            losses = []
+            for model, opt in runs:
+                opt.zero_grad()
+                loss = nn.functional.binary_cross_entropy_with_logits(model(dense, kjt).squeeze(1), labels)
+                loss.backward()
+                opt.step()
+                losses.append(loss)
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-7, msg=f"step {step}")
+        for table, n in (("t0", 60), ("t1", 40)):
+            torch.testing.assert_close(caches[1].lookup(table, torch.arange(n)),
+                                       caches[0].lookup(table, torch.arange(n)), rtol=1e-6, atol=1e-7)
+    finally:
+        for cache in caches:
+            cache.close()
