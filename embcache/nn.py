@@ -83,7 +83,8 @@ TorchRec. :class:`CachedEmbeddingBagCollection` stands in for torchrec's ``Embed
   keys are any int64) and :meth:`~CachedEmbeddingBagCollection.embedding_bag_configs` gives them
   back, which torchrec's DLRM reads; :func:`tables_from_torchrec` makes the cache's TableConfigs.
 
-torch.compile. The modules' ``forward`` is wrapped in ``torch.compiler.disable``: Dynamo does not
+torch.compile. The modules' ``forward`` is wrapped in ``torch.compiler.disable`` (when the first
+module is built: that imports ``torch._dynamo``, which ``import embcache`` avoids): Dynamo does not
 trace into it (it would reach the store's numpy code and the data-dependent ``torch.unique``)
 and makes a graph break there instead, so a model holding the modules compiles with any backend
 (inductor by default) and its dense layers are compiled, while the cache calls run eagerly.
@@ -125,6 +126,7 @@ import copy
 import functools
 import os
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -477,6 +479,10 @@ class _CacheModule(nn.Module):
     cache: CacheLike
     out_device: torch.device | None  # the ``device`` argument (None: the cache's device)
 
+    def __init__(self) -> None:
+        super().__init__()
+        _keep_out_of_compile()
+
     def _init_device(self, device: torch.device | str | None) -> None:
         try:
             self.out_device = torch.device(device) if device is not None else None
@@ -667,7 +673,6 @@ class CachedEmbedding(_CacheModule):
         self._init_device(device)
         self._init_persist(persist, checkpoint_dir, max_state_bytes)
 
-    @torch.compiler.disable  # the cache is outside the graph: see "torch.compile" in the module docstring
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Rows of ``input``'s keys: float32 ``input.shape + (dim,)`` on :attr:`output_device`.
 
@@ -742,7 +747,6 @@ class CachedEmbeddingBag(_CacheModule):
         self._init_device(device)
         self._init_persist(persist, checkpoint_dir, max_state_bytes)
 
-    @torch.compiler.disable  # the cache is outside the graph: see "torch.compile" in the module docstring
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled rows of each bag: float32 [B, dim] on :attr:`output_device`.
@@ -897,7 +901,6 @@ class CachedEmbeddingBagCollection(_CacheModule):
                            self.modes[next(f for f, ft in self.features.items() if ft == t)].upper())
                 for t, d in self.table_dims.items()]
 
-    @torch.compiler.disable  # the cache is outside the graph: see "torch.compile" in the module docstring
     def forward(self, batch: Mapping[str, FeatureInput] | Any) -> Any:
         """Pooled rows of each feature's bags, on :attr:`output_device`.
 
@@ -961,6 +964,25 @@ class CachedEmbeddingBagCollection(_CacheModule):
         """The features, their tables and the pooling mode(s)."""
         mode = f"mode={self.mode!r}" if self.mode is not None else f"modes={self.modes!r}"
         return f"features={self.features!r}, {mode}{self._device_repr()}"
+
+
+_compile_lock = threading.Lock()
+_compile_disabled = False
+
+
+def _keep_out_of_compile() -> None:
+    """Wrap the modules' forwards in ``torch.compiler.disable`` (see "torch.compile" in the module docstring).
+
+    Done when the first module is built, not at import: ``torch.compiler.disable`` imports
+    ``torch._dynamo`` (seconds), which ``import embcache`` (the server, the CLI) does not need.
+    """
+    global _compile_disabled
+    with _compile_lock:
+        if _compile_disabled:
+            return
+        for cls in (CachedEmbedding, CachedEmbeddingBag, CachedEmbeddingBagCollection):
+            setattr(cls, "forward", torch.compiler.disable(cls.__dict__["forward"]))  # noqa: B010
+        _compile_disabled = True
 
 
 def _unpack(feature: str, value: Any) -> tuple[Any, Any, Any]:

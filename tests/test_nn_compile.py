@@ -7,6 +7,9 @@ node hands the gradients to the cache from the compiled backward.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -80,3 +83,21 @@ def test_compiled_model_trains_like_eager(make_cache: Any, tmp_path: Any) -> Non
     with torch.no_grad():
         torch.testing.assert_close(compiled(*data[0][:-1]), eager.eval()(*data[0][:-1]), rtol=1e-6, atol=1e-7)
     assert torch.equal(caches[1].lookup("u", torch.arange(30)), before)
+
+
+def test_import_embcache_does_not_import_dynamo(tmp_path: Any) -> None:
+    """The forwards are disabled for Dynamo when the first module is built, so the server and CLI skip its import."""
+    code = f"""
+import sys, embcache, embcache.nn
+assert "torch._dynamo" not in sys.modules, "imported by import embcache"
+from embcache import CacheConfig, EmbeddingCache, TableConfig
+from embcache.nn import CachedEmbedding, CachedEmbeddingBagCollection
+config = CacheConfig(hbm_bytes=1 << 20, ddr_bytes=1 << 20, path={str(tmp_path)!r})
+with EmbeddingCache(config, [TableConfig("t", 4)]) as c:
+    CachedEmbedding(c, "t")
+assert CachedEmbeddingBagCollection.forward._torchdynamo_disable
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
