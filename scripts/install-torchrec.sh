@@ -7,7 +7,8 @@
 # embcache's "torchrec" extra. If `import torchrec` fails afterwards, this removes both again
 # (so the tests skip instead of failing on a half-working import) and says so; it never fails ./dev.
 # On a CUDA torch it installs nothing: pick the fbgemm-gpu/torchrec builds matching that torch by hand
-# (https://pytorch.org/FBGEMM/fbgemm_gpu/installation.html).   Idempotent.
+# (https://pytorch.org/FBGEMM/fbgemm_gpu/installation.html). Idempotent; tries once per torch version
+# (delete .venv/.embcache-torchrec-tried to try again).
 # Usage: scripts/install-torchrec.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,9 +16,16 @@ venv="${EMBCACHE_VENV:-.venv}"
 py="$venv/bin/python"
 TORCHREC_VERSION="${EMBCACHE_TORCHREC_VERSION:-1.8.0}"
 
-if "$py" -c "import torchrec" >/dev/null 2>&1; then
+# installed already (find_spec: importing torchrec takes seconds), or an earlier try with this torch failed
+if "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchrec') is None)" 2>/dev/null; then
     exit 0
 fi
+torch_version=$("$py" -c 'import torch; print(torch.__version__)')
+tried="$venv/.embcache-torchrec-tried"
+if [ -f "$tried" ] && [ "$(cat "$tried")" = "$torch_version" ]; then
+    exit 0
+fi
+echo "$torch_version" > "$tried"
 if [ "$("$py" -c 'import torch; print(torch.version.cuda is None)')" != "True" ]; then
     echo "install-torchrec: torch is a CUDA build; install a matching torchrec and fbgemm-gpu by hand (tests skip)"
     exit 0
