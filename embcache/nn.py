@@ -10,9 +10,8 @@ Fused backward-optimizer. This is the design of FBGEMM's table-batched embedding
 optimizer step of the embedding rows happens *inside* ``loss.backward()``. Consequences:
 
 * There is no ``optimizer.step()`` for the embeddings and ``zero_grad()`` does not concern them;
-  the modules have no parameters (``list(m.parameters()) == []``) and an empty ``state_dict()``:
-  the cache persists the rows (``flush``/``checkpoint``). A torch optimizer still steps the
-  dense part of the model.
+  the modules have no parameters (``list(m.parameters()) == []``). A torch optimizer still steps
+  the dense part of the model. Their ``state_dict()`` entry holds the rows (see "Checkpoints").
 * Each backward is one step. Gradient accumulation over micro-batches (several backwards before
   one ``step``) steps each time; so does a second backward through a retained graph.
 * A table used by two modules (or one module called twice) in one step gets one optimizer step
@@ -40,7 +39,61 @@ CUDA model takes ``device="cuda"``. Gradients flow back across the copy to the c
 
 Copies. ``copy.deepcopy`` of a module (or of a model holding one) shares the cache, so the copy
 reads and trains the same table; ``module.to(device)`` changes nothing (there is nothing to move).
-The modules cannot be pickled with the cache; persist the rows with the cache's ``checkpoint``.
+The modules cannot be pickled with the cache; save their ``state_dict()`` (see "Checkpoints").
+
+Checkpoints. Each module's ``state_dict()`` has one entry, ``<prefix>._extra_state`` (torch's key
+for non-tensor state), for its tables (a collection: all of its tables), so a training script
+that does ``torch.save(model.state_dict())`` and later ``model.load_state_dict(torch.load(...))``
+(``weights_only`` loading works) resumes with the same rows. The ``persist`` argument says what
+the entry holds:
+
+* ``"rows"`` (default): the stored rows themselves, whole (keys, weights with the optimizer state,
+  access frequencies), exported from the cache (dirty rows are written back first). For tables
+  up to ``max_state_bytes`` (default 256 MiB of records, all of the module's tables together);
+  above it the entry holds no rows and ``state_dict()`` warns (``RuntimeWarning``).
+* ``"checkpoint"`` with ``checkpoint_dir``: ``state_dict()`` writes a consistent cache checkpoint
+  (``cache.checkpoint``, all tables) to a new ``checkpoint_dir/embcache-<time>-<id>`` and the
+  entry names it by its absolute path; modules sharing a cache share one checkpoint per
+  ``state_dict()`` call. Old checkpoints are not deleted. For tables of any size.
+* ``"none"``: no entry (the cache persists itself with ``flush``/``checkpoint``/``restore``).
+
+``load_state_dict`` makes the module's tables in its cache hold exactly the saved rows: it
+imports them (``import_rows``) and deletes stored rows the saved cache did not have (a later
+lookup creates them from the initializer, as the saved cache would). The tables must have the
+saved layout (dim, optimizer, dtype, initializer, seed), else it fails; an entry missing from the
+state_dict is a missing key (strict loading fails, ``strict=False`` reports it). A remote
+``embcache.Client`` can neither export nor import rows: ``persist="rows"`` warns on save and load
+that the rows are not in the state_dict, ``persist="checkpoint"`` makes the servers checkpoint
+(``Client.checkpoint``; the entry lists their directories) and warns that resuming means
+restarting the servers from those directories; ``persist="none"`` silences this.
+
+TorchRec. :class:`CachedEmbeddingBagCollection` stands in for torchrec's ``EmbeddingBagCollection``
+(torchrec is optional; nothing here imports it unless a KeyedJaggedTensor comes in):
+
+* Input: a ``KeyedJaggedTensor``, duck-typed (``keys()``, ``values()``, ``lengths()`` or
+  ``offsets()``, optionally ``weights_or_none()`` as per-sample weights and ``stride_per_key()``
+  for variable batch sizes per feature), or the mapping ``{feature: input}`` as before. Features
+  of the KJT that the collection does not have are ignored (torchrec's rule).
+* Output follows the input: a mapping gives ``{feature: tensor}`` (as always); a KJT gives a
+  torchrec ``KeyedTensor`` (keys in the collection's feature order) when torchrec is installed,
+  else that same dict.
+* Configuration: :meth:`CachedEmbeddingBagCollection.from_torchrec` takes torchrec's
+  ``EmbeddingBagConfig``s (``name`` is the cache table, ``embedding_dim`` must be its dim,
+  ``feature_names`` and per-table ``pooling`` SUM or MEAN are kept, ``num_embeddings`` is ignored:
+  keys are any int64) and :meth:`~CachedEmbeddingBagCollection.embedding_bag_configs` gives them
+  back, which torchrec's DLRM reads; :func:`tables_from_torchrec` makes the cache's TableConfigs.
+
+torch.compile. The modules' ``forward`` is wrapped in ``torch.compiler.disable`` (when the first
+module is built: that imports ``torch._dynamo``, which ``import embcache`` avoids): Dynamo does not
+trace into it (it would reach the store's numpy code and the data-dependent ``torch.unique``)
+and makes a graph break there instead, so a model holding the modules compiles with any backend
+(inductor by default) and its dense layers are compiled, while the cache calls run eagerly.
+Their autograd node is an ordinary one in the middle of the compiled graphs, so
+``loss.backward()`` still hands the gradients to the cache. Training is the same as in eager
+mode (tests/test_nn_compile.py). The lookup is not a ``torch.library`` custom op on purpose: its
+output size depends on the batch's unique keys and its backward has a side effect (the optimizer
+step in the cache) that an op returning nothing would have to keep from being pruned; the graph
+break costs one Python call per module and forward, next to a cache round trip.
 
 Errors (raised before anything is looked up, so a bad batch changes nothing):
 
@@ -70,29 +123,50 @@ last bag); ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are not offered.
 from __future__ import annotations
 
 import copy
+import functools
+import os
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TableConfig
+from .config import CacheConfig, TableConfig
 from .errors import ConfigError, InvalidKeysError, UnknownTableError
 from .fused import segment_sum
 
 __all__ = [
     "MODES",
+    "PERSIST",
     "CacheLike",
     "CachedEmbedding",
     "CachedEmbeddingBag",
     "CachedEmbeddingBagCollection",
     "FeatureInput",
+    "tables_from_torchrec",
 ]
 
 #: Pooling modes of the bag modules (torch's).
 MODES: tuple[str, ...] = ("sum", "mean", "max")
+
+#: What a module's ``state_dict()`` holds of its tables (the ``persist`` argument): see "Checkpoints".
+PERSIST: tuple[str, ...] = ("rows", "checkpoint", "none")
+
+#: The state_dict key (after the module's prefix) of a module's tables: torch's name for non-tensor state.
+STATE_KEY = "_extra_state"
+_STATE_FORMAT = 1
+_IMPORT_ROWS = 1 << 16
+#: Default ``max_state_bytes``: above it, persist="rows" leaves the rows out of the state_dict (and warns).
+DEFAULT_MAX_STATE_BYTES = 256 << 20  # rows per import_rows/delete_rows call on load
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _CACHE_METHODS = ("lookup", "apply_gradients", "lookup_many", "apply_gradients_many", "tables", "device")
@@ -405,6 +479,10 @@ class _CacheModule(nn.Module):
     cache: CacheLike
     out_device: torch.device | None  # the ``device`` argument (None: the cache's device)
 
+    def __init__(self) -> None:
+        super().__init__()
+        _keep_out_of_compile()
+
     def _init_device(self, device: torch.device | str | None) -> None:
         try:
             self.out_device = torch.device(device) if device is not None else None
@@ -418,6 +496,135 @@ class _CacheModule(nn.Module):
 
     def _device_repr(self) -> str:
         return f", device={str(self.out_device)!r}" if self.out_device is not None else ""
+
+    # ------------------------------------------------------------------ state_dict
+    persist: str
+    checkpoint_dir: str | None
+    max_state_bytes: int
+
+    def _init_persist(self, persist: str, checkpoint_dir: str | os.PathLike[str] | None, max_state_bytes: int) -> None:
+        if persist not in PERSIST:
+            raise ConfigError(f"persist={persist!r} is not allowed; choose one of {', '.join(map(repr, PERSIST))}")
+        if (persist == "checkpoint") != (checkpoint_dir is not None):
+            raise ConfigError("checkpoint_dir is required with persist='checkpoint' and only allowed with it")
+        if isinstance(max_state_bytes, bool) or not isinstance(max_state_bytes, int) or max_state_bytes < 0:
+            raise ConfigError(f"max_state_bytes={max_state_bytes!r}: must be an int >= 0")
+        self.persist = persist
+        self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir)) if checkpoint_dir is not None else None
+        self.max_state_bytes = max_state_bytes
+
+    def _state_tables(self) -> list[str]:
+        """The tables whose rows this module's state holds."""
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.persist != "none":
+            destination[prefix + STATE_KEY] = self._cache_state(destination)
+
+    def _cache_state(self, destination: Any) -> dict[str, Any]:
+        """The state_dict entry of this module's tables (see "Checkpoints" in the module docstring)."""
+        tables = self._state_tables()
+        configs = self.cache.tables()
+        state: dict[str, Any] = {"format": _STATE_FORMAT, "persist": self.persist,
+                                 "configs": {t: configs[t].to_dict() for t in tables}}
+        exportable = callable(getattr(self.cache, "export_rows", None))
+        if self.persist == "checkpoint":
+            directory, written = _checkpoint_once(destination, self.cache, self.checkpoint_dir)
+            state["directory"] = directory
+            if not exportable:  # a remote Client: the servers wrote one directory per shard
+                state["persist"] = "remote"
+                state["directories"] = list(written or [])
+                warnings.warn(f"{type(self).__name__}: the cache is remote; the servers checkpointed the tables "
+                              f"{tables} to {state['directories']}, which load_state_dict cannot restore: "
+                              f"restart the servers from those directories", RuntimeWarning, stacklevel=4)
+            return state
+        if not exportable:
+            warnings.warn(f"{type(self).__name__}: the cache ({type(self.cache).__name__}) cannot export rows, so "
+                          f"this state_dict does NOT hold the tables {tables}; checkpoint the servers "
+                          f"(Client.checkpoint) or build the module with persist='none' to silence this",
+                          RuntimeWarning, stacklevel=4)
+            state["persist"] = "omitted"
+            return state
+        rows: dict[str, dict[str, torch.Tensor]] = {}
+        total = 0
+        for t in tables:
+            keys, records, freq = [], [], []
+            for k, r, f in self.cache.export_rows(t, _select_all):  # type: ignore[attr-defined]
+                total += r.nbytes
+                if total > self.max_state_bytes:
+                    warnings.warn(f"{type(self).__name__}: the rows of {tables} exceed max_state_bytes="
+                                  f"{self.max_state_bytes}, so this state_dict does NOT hold them; build the module "
+                                  f"with persist='checkpoint', checkpoint_dir=... (a cache checkpoint named in the "
+                                  f"state_dict) or a larger max_state_bytes", RuntimeWarning, stacklevel=4)
+                    state["persist"] = "omitted"
+                    return state
+                keys.append(torch.from_numpy(np.array(k, dtype=np.int64)))
+                records.append(torch.from_numpy(np.array(r, dtype=np.uint8)))
+                freq.append(torch.from_numpy(np.array(f, dtype=np.float32)))
+            rows[t] = {"keys": torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64),
+                       "records": torch.cat(records) if records else torch.zeros(0, 0, dtype=torch.uint8),
+                       "freq": torch.cat(freq) if freq else torch.zeros(0)}
+        state["rows"] = rows
+        return state
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + STATE_KEY
+        if key in unexpected_keys:  # torch expects it only of modules with set_extra_state
+            unexpected_keys.remove(key)
+        if self.persist == "none":
+            return  # the cache persists itself: rows in the state_dict are ignored
+        if key not in state_dict:  # torch always passes strict=True here; load_state_dict(strict=False) returns it
+            missing_keys.append(key)
+            return
+        self._restore(state_dict[key], error_msgs)
+
+    def _restore(self, state: Any, error_msgs: list[str]) -> None:
+        """Make the cache's tables hold the rows of a state saved by :meth:`_cache_state`."""
+        name = type(self).__name__
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            error_msgs.append(f"{name}: {STATE_KEY} is not an embcache module state (format {_STATE_FORMAT})")
+            return
+        saved = state.get("configs", {})
+        tables = self._state_tables()
+        configs = self.cache.tables()
+        for t in tables:
+            if t not in saved:
+                error_msgs.append(f"{name}: the state holds no table {t!r} (it has {sorted(saved)})")
+                continue
+            conflicts = TableConfig.from_dict(saved[t]).layout_conflicts(configs[t])
+            if conflicts:
+                error_msgs.append(f"{name}: table {t!r} was saved with other {', '.join(conflicts)}")
+        if error_msgs:
+            return
+        persist = state["persist"]
+        if persist in ("omitted", "remote"):
+            where = f" (the servers' checkpoints: {state.get('directories')})" if persist == "remote" else ""
+            warnings.warn(f"{name}: this state_dict does not hold the rows of {tables}{where}; the cache keeps "
+                          f"its own", RuntimeWarning, stacklevel=4)
+            return
+        if not callable(getattr(self.cache, "import_rows", None)):
+            warnings.warn(f"{name}: the cache ({type(self.cache).__name__}) cannot import rows; the rows of "
+                          f"{tables} in this state_dict are NOT loaded", RuntimeWarning, stacklevel=4)
+            return
+        if persist == "rows":
+            for t in tables:
+                entry = state["rows"][t]
+                _replace_rows(self.cache, t, [(entry["keys"].numpy(), entry["records"].numpy(),
+                                                entry["freq"].numpy())])
+            return
+        # persist == "checkpoint": open the checkpoint as a small CPU cache and copy the tables' rows over
+        from .cache import EmbeddingCache
+        directory = state["directory"]
+        with tempfile.TemporaryDirectory(prefix="embcache-load-") as tmp:
+            manifest_store = _checkpoint_store(directory)
+            config = CacheConfig(hbm_bytes=1 << 20, ddr_bytes=1 << 20, path=tmp, store=manifest_store, device="cpu")
+            with EmbeddingCache.restore(directory, config) as source:
+                for t in tables:
+                    _replace_rows(self.cache, t, source.export_rows(t, _select_all))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CacheModule:
         # The table lives in the cache, and a cache (locks, an open store) cannot be copied:
@@ -441,15 +648,22 @@ class CachedEmbedding(_CacheModule):
         padding_idx: a key whose output is a zero row and which is never looked up or updated;
             None (default) for none.
         device: where outputs go (the model's device); None (default): the cache's device.
+        persist: what ``state_dict()`` holds of the table(s): "rows" (default), "checkpoint" or "none"
+            (see "Checkpoints" in the module docstring).
+        checkpoint_dir: where persist="checkpoint" writes cache checkpoints.
+        max_state_bytes: most record bytes persist="rows" puts in the state_dict (default 256 MiB).
 
     Raises:
         UnknownTableError: the cache has no table ``table``.
-        ConfigError: ``padding_idx`` is not None or an int64; ``device`` is not a device.
+        ConfigError: ``padding_idx`` is not None or an int64; ``device`` is not a device; bad
+            ``persist``/``checkpoint_dir``/``max_state_bytes``.
         TypeError: ``cache`` lacks the cache methods.
     """
 
     def __init__(self, cache: CacheLike, table: str, padding_idx: int | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, *,
+                 persist: str = "rows", checkpoint_dir: str | os.PathLike[str] | None = None,
+                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         super().__init__()
         _check_cache(cache)
         self.cache = cache
@@ -457,6 +671,7 @@ class CachedEmbedding(_CacheModule):
         self.embedding_dim = _table_config(cache, table).dim
         self.padding_idx = _check_padding_idx(padding_idx)
         self._init_device(device)
+        self._init_persist(persist, checkpoint_dir, max_state_bytes)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Rows of ``input``'s keys: float32 ``input.shape + (dim,)`` on :attr:`output_device`.
@@ -477,6 +692,9 @@ class CachedEmbedding(_CacheModule):
         weight, pad = _with_padding_row(rows, self.padding_idx)
         out = F.embedding(inverse, weight, padding_idx=pad)
         return out.reshape(*input.shape, self.embedding_dim).to(self.output_device)
+
+    def _state_tables(self) -> list[str]:
+        return [self.table]
 
     def extra_repr(self) -> str:
         """The table, its dimension and the padding key."""
@@ -503,6 +721,10 @@ class CachedEmbeddingBag(_CacheModule):
         padding_idx: a key excluded from every bag (and from "mean"'s count), never looked up or
             updated; None (default) for none. Unlike torch, a negative value is a key too.
         device: where outputs go (the model's device); None (default): the cache's device.
+        persist: what ``state_dict()`` holds of the table(s): "rows" (default), "checkpoint" or "none"
+            (see "Checkpoints" in the module docstring).
+        checkpoint_dir: where persist="checkpoint" writes cache checkpoints.
+        max_state_bytes: most record bytes persist="rows" puts in the state_dict (default 256 MiB).
 
     Raises:
         UnknownTableError: the cache has no table ``table``.
@@ -511,7 +733,9 @@ class CachedEmbeddingBag(_CacheModule):
     """
 
     def __init__(self, cache: CacheLike, table: str, mode: str = "mean", include_last_offset: bool = False,
-                 padding_idx: int | None = None, device: torch.device | str | None = None) -> None:
+                 padding_idx: int | None = None, device: torch.device | str | None = None, *,
+                 persist: str = "rows", checkpoint_dir: str | os.PathLike[str] | None = None,
+                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         super().__init__()
         _check_cache(cache)
         self.cache = cache
@@ -521,6 +745,7 @@ class CachedEmbeddingBag(_CacheModule):
         self.include_last_offset = bool(include_last_offset)
         self.padding_idx = _check_padding_idx(padding_idx)
         self._init_device(device)
+        self._init_persist(persist, checkpoint_dir, max_state_bytes)
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -543,6 +768,9 @@ class CachedEmbeddingBag(_CacheModule):
         fetch = _Fetch(self.cache, {self.table: ukeys}, {self.table: self.embedding_dim}, many=False)
         (rows,) = _rows(fetch, self.training and torch.is_grad_enabled())
         return _pool(bags, inverse, rows, self.mode, self.padding_idx)
+
+    def _state_tables(self) -> list[str]:
+        return [self.table]
 
     def extra_repr(self) -> str:
         """The table, its dimension and the pooling options."""
@@ -573,6 +801,10 @@ class CachedEmbeddingBagCollection(_CacheModule):
         mode: "sum" (default, as torchrec), "mean" or "max", for every feature.
         include_last_offset: every feature's offsets end with the end of its last bag. Default False.
         device: where outputs go (the model's device); None (default): the cache's device.
+        persist: what ``state_dict()`` holds of the table(s): "rows" (default), "checkpoint" or "none"
+            (see "Checkpoints" in the module docstring).
+        checkpoint_dir: where persist="checkpoint" writes cache checkpoints.
+        max_state_bytes: most record bytes persist="rows" puts in the state_dict (default 256 MiB).
 
     Raises:
         UnknownTableError: a table is not in the cache.
@@ -581,8 +813,11 @@ class CachedEmbeddingBagCollection(_CacheModule):
         TypeError: ``cache`` lacks the cache methods.
     """
 
-    def __init__(self, cache: CacheLike, features: Mapping[str, str] | Sequence[str], mode: str = "sum",
-                 include_last_offset: bool = False, device: torch.device | str | None = None) -> None:
+    def __init__(self, cache: CacheLike, features: Mapping[str, str] | Sequence[str],
+                 mode: str | Mapping[str, str] = "sum", include_last_offset: bool = False,
+                 device: torch.device | str | None = None, *,
+                 persist: str = "rows", checkpoint_dir: str | os.PathLike[str] | None = None,
+                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         super().__init__()
         _check_cache(cache)
         if isinstance(features, Mapping):
@@ -601,35 +836,111 @@ class CachedEmbeddingBagCollection(_CacheModule):
             raise ConfigError(f"feature and table names must be strings, got {bad[:4]}")
         self.cache = cache
         self.features: dict[str, str] = mapping
-        self.mode = _check_mode(mode)
+        if isinstance(mode, Mapping):
+            if set(mode) != set(mapping):
+                raise ConfigError(f"mode per feature must name exactly the features {sorted(mapping)}, "
+                                  f"got {sorted(mode, key=repr)}")
+            self.modes: dict[str, str] = {f: _check_mode(mode[f]) for f in mapping}
+        else:
+            self.modes = dict.fromkeys(mapping, _check_mode(mode))
+        #: the pooling mode of every feature, or None when they differ (see ``modes``)
+        self.mode: str | None = next(iter(self.modes.values())) if len(set(self.modes.values())) == 1 else None
         self.include_last_offset = bool(include_last_offset)
         self._init_device(device)
+        self._init_persist(persist, checkpoint_dir, max_state_bytes)
         self.table_dims = {t: _table_config(cache, t).dim for t in dict.fromkeys(mapping.values())}
         self.embedding_dims = {f: self.table_dims[t] for f, t in mapping.items()}
+        self._torchrec_configs: list[Any] | None = None
 
-    def forward(self, batch: Mapping[str, FeatureInput]) -> dict[str, torch.Tensor]:
-        """Pooled rows of each feature's bags: ``{feature: float32 [B_f, dim]}`` on :attr:`output_device`.
+    @classmethod
+    def from_torchrec(cls, cache: CacheLike, tables: Sequence[Any], device: torch.device | str | None = None,
+                      **options: Any) -> CachedEmbeddingBagCollection:
+        """A collection configured like ``torchrec.EmbeddingBagCollection(tables=tables)``.
+
+        Each ``EmbeddingBagConfig`` (anything with ``name``, ``embedding_dim``, ``feature_names``
+        and ``pooling``) names a cache table (``name``, whose ``dim`` must equal
+        ``embedding_dim``); its features read that table with its pooling (``PoolingType.SUM``
+        or ``MEAN``). ``num_embeddings`` is ignored: keys are any int64, as everywhere in the
+        cache (a key >= num_embeddings is a row like any other, where torchrec would fail).
+        Outputs come in torchrec's order: the tables' feature names, table by table. ``options``
+        go to the constructor (``persist``, ``checkpoint_dir``, ``max_state_bytes``).
+        :func:`tables_from_torchrec` makes matching :class:`~embcache.TableConfig`s.
+
+        Raises:
+            UnknownTableError: a table is not in the cache.
+            ConfigError: a dimension differs from the cache's table, a feature is repeated, or
+                a pooling is not SUM or MEAN (``PoolingType.NONE``, unpooled, is not offered).
+        """
+        features: dict[str, str] = {}
+        modes: dict[str, str] = {}
+        for cfg in tables:
+            name, dim = cfg.name, cfg.embedding_dim
+            pooling = str(getattr(cfg.pooling, "value", cfg.pooling)).lower()
+            if pooling not in ("sum", "mean"):
+                raise ConfigError(f"table {name!r}: pooling {cfg.pooling!r} is not offered; use SUM or MEAN")
+            table_dim = _table_config(cache, name).dim
+            if table_dim != dim:
+                raise ConfigError(f"table {name!r}: embedding_dim={dim} but the cache's table has dim={table_dim}")
+            for f in cfg.feature_names:
+                if f in features:
+                    raise ConfigError(f"feature {f!r} appears in tables {features[f]!r} and {name!r}")
+                features[f], modes[f] = name, pooling
+        ebc = cls(cache, features, mode=modes, device=device, **options)
+        ebc._torchrec_configs = list(tables)
+        return ebc
+
+    def embedding_bag_configs(self) -> list[Any]:
+        """The configs of torchrec's ``EmbeddingBagCollection.embedding_bag_configs()`` (DLRM reads them).
+
+        Those passed to :meth:`from_torchrec`; else one per table with ``name``, ``embedding_dim``,
+        ``feature_names``, ``pooling`` (upper case, the table's first feature's) and ``num_embeddings=0``.
+        """
+        if self._torchrec_configs is not None:
+            return list(self._torchrec_configs)
+        return [_TableView(t, d, [f for f, ft in self.features.items() if ft == t],
+                           self.modes[next(f for f, ft in self.features.items() if ft == t)].upper())
+                for t, d in self.table_dims.items()]
+
+    def forward(self, batch: Mapping[str, FeatureInput] | Any) -> Any:
+        """Pooled rows of each feature's bags, on :attr:`output_device`.
 
         Args:
-            batch: every configured feature (and no other) -> a 2-D input, ``(input, offsets)`` or
-                ``(input, offsets, per_sample_weights)``.
+            batch: either a mapping of every configured feature (and no other) to a 2-D input,
+                ``(input, offsets)`` or ``(input, offsets, per_sample_weights)``; or a torchrec
+                ``KeyedJaggedTensor`` (or any object with its ``keys()``, ``values()``,
+                ``lengths()`` or ``offsets()`` and optionally ``weights_or_none()`` and
+                ``stride_per_key()``) holding every configured feature (others are ignored, as
+                torchrec's collection does), whose weights are the per-sample weights.
+
+        Returns:
+            For a mapping, ``{feature: float32 [B_f, dim]}`` in the order of ``features``. For a
+            KeyedJaggedTensor, a torchrec ``KeyedTensor`` (keys: the features in that order,
+            values float32 [B, sum of dims]) when torchrec is installed, else that same dict.
 
         Raises:
             TypeError, InvalidKeysError, NotImplementedError: see the module docstring; messages
                 name the feature.
             The errors of the cache's ``lookup_many`` (nothing changed).
         """
-        if not isinstance(batch, Mapping):
-            raise TypeError(f"batch must be a mapping feature -> input, got {type(batch).__name__}")
-        if set(batch) != set(self.features):
-            missing = sorted(set(self.features) - set(batch))
-            unknown = sorted(set(batch) - set(self.features), key=repr)
-            raise InvalidKeysError(f"batch features must be exactly {sorted(self.features)}; "
-                                   f"missing {missing}, unknown {unknown}")
         device = self.cache.device
-        bags = {f: _canonical_bags(*_unpack(f, batch[f]), self.include_last_offset, self.mode, device,
-                                   self.output_device, prefix=f"feature {f!r}: ")
-                for f in self.features}
+        keyed = _is_kjt(batch)
+        if keyed:
+            parts = _kjt_features(batch, list(self.features))
+            bags = {f: _canonical_bags(*parts[f], True, self.modes[f], device, self.output_device,
+                                       prefix=f"feature {f!r}: ")
+                    for f in self.features}
+        else:
+            if not isinstance(batch, Mapping):
+                raise TypeError(f"batch must be a mapping feature -> input or a KeyedJaggedTensor, "
+                                f"got {type(batch).__name__}")
+            if set(batch) != set(self.features):
+                missing = sorted(set(self.features) - set(batch))
+                unknown = sorted(set(batch) - set(self.features), key=repr)
+                raise InvalidKeysError(f"batch features must be exactly {sorted(self.features)}; "
+                                       f"missing {missing}, unknown {unknown}")
+            bags = {f: _canonical_bags(*_unpack(f, batch[f]), self.include_last_offset, self.modes[f], device,
+                                       self.output_device, prefix=f"feature {f!r}: ")
+                    for f in self.features}
         ukeys: dict[str, torch.Tensor] = {}
         inverses: dict[str, torch.Tensor] = {}
         for table in self.table_dims:
@@ -639,11 +950,39 @@ class CachedEmbeddingBagCollection(_CacheModule):
             inverses.update(zip(feats, inverse.split([k.numel() for k in keys]), strict=True))
         fetch = _Fetch(self.cache, ukeys, self.table_dims, many=True)
         rows = dict(zip(fetch.names, _rows(fetch, self.training and torch.is_grad_enabled()), strict=True))
-        return {f: _pool(bags[f], inverses[f], rows[t], self.mode) for f, t in self.features.items()}
+        out = {f: _pool(bags[f], inverses[f], rows[t], self.modes[f]) for f, t in self.features.items()}
+        keyed_tensor = _keyed_tensor_class() if keyed else None
+        if keyed_tensor is None:
+            return out
+        return keyed_tensor(keys=list(out), length_per_key=[self.embedding_dims[f] for f in out],
+                            values=torch.cat(list(out.values()), dim=1), key_dim=1)
+
+    def _state_tables(self) -> list[str]:
+        return list(self.table_dims)
 
     def extra_repr(self) -> str:
-        """The features, their tables and the pooling mode."""
-        return f"features={self.features!r}, mode={self.mode!r}{self._device_repr()}"
+        """The features, their tables and the pooling mode(s)."""
+        mode = f"mode={self.mode!r}" if self.mode is not None else f"modes={self.modes!r}"
+        return f"features={self.features!r}, {mode}{self._device_repr()}"
+
+
+_compile_lock = threading.Lock()
+_compile_disabled = False
+
+
+def _keep_out_of_compile() -> None:
+    """Wrap the modules' forwards in ``torch.compiler.disable`` (see "torch.compile" in the module docstring).
+
+    Done when the first module is built, not at import: ``torch.compiler.disable`` imports
+    ``torch._dynamo`` (seconds), which ``import embcache`` (the server, the CLI) does not need.
+    """
+    global _compile_disabled
+    with _compile_lock:
+        if _compile_disabled:
+            return
+        for cls in (CachedEmbedding, CachedEmbeddingBag, CachedEmbeddingBagCollection):
+            setattr(cls, "forward", torch.compiler.disable(cls.__dict__["forward"]))  # noqa: B010
+        _compile_disabled = True
 
 
 def _unpack(feature: str, value: Any) -> tuple[Any, Any, Any]:
@@ -654,3 +993,140 @@ def _unpack(feature: str, value: Any) -> tuple[Any, Any, Any]:
         return value[0], value[1], value[2] if len(value) == 3 else None
     raise TypeError(f"feature {feature!r}: expected a 2-D tensor, (input, offsets) or "
                     f"(input, offsets, per_sample_weights), got {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------- torchrec interop
+def _is_kjt(batch: Any) -> bool:
+    """Whether ``batch`` looks like a torchrec KeyedJaggedTensor (duck-typed: torchrec is optional)."""
+    if isinstance(batch, Mapping):
+        return False
+    has = [callable(getattr(batch, m, None)) for m in ("keys", "values", "lengths", "offsets")]
+    return has[0] and has[1] and (has[2] or has[3])
+
+
+def _kjt_features(kjt: Any, wanted: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Per wanted feature of a KeyedJaggedTensor: (values, offsets [B + 1] including the end, weights)."""
+    keys = list(kjt.keys())
+    missing = [f for f in wanted if f not in keys]
+    if missing:
+        raise InvalidKeysError(f"the KeyedJaggedTensor lacks features {missing}; it has {keys}")
+    values = _check_index_tensor("values()", kjt.values(), "KeyedJaggedTensor ")
+    weights = kjt.weights_or_none() if callable(getattr(kjt, "weights_or_none", None)) else None
+    if callable(getattr(kjt, "lengths", None)):
+        lengths = kjt.lengths()
+    else:
+        offsets = kjt.offsets()
+        lengths = offsets[1:] - offsets[:-1]
+    lengths = _check_index_tensor("lengths()", lengths, "KeyedJaggedTensor ").to(torch.int64)
+    if callable(getattr(kjt, "stride_per_key", None)):
+        strides = [int(s) for s in kjt.stride_per_key()]
+    else:
+        if keys and lengths.numel() % len(keys):
+            raise InvalidKeysError(f"KeyedJaggedTensor: {lengths.numel()} lengths do not split over {len(keys)} keys")
+        strides = [lengths.numel() // len(keys)] * len(keys) if keys else []
+    if sum(strides) != lengths.numel() or (lengths.numel() and bool((lengths < 0).any())):
+        raise InvalidKeysError(f"KeyedJaggedTensor: lengths (shape {tuple(lengths.shape)}) do not match strides "
+                               f"{strides} or are negative")
+    per_key = lengths.split(strides)
+    counts = torch.stack([p.sum() for p in per_key]).tolist() if per_key else []
+    if sum(counts) != values.numel():
+        raise InvalidKeysError(f"KeyedJaggedTensor: lengths sum to {sum(counts)} but there are {values.numel()} values")
+    vals = values.split(counts)
+    wts = weights.split(counts) if weights is not None else [None] * len(keys)
+    out = {}
+    for i, k in enumerate(keys):
+        if k in wanted:
+            off = torch.cat([per_key[i].new_zeros(1), per_key[i].cumsum(0)])
+            out[k] = (vals[i], off, wts[i])
+    return out
+
+
+@dataclass
+class _TableView:
+    """The fields of torchrec's EmbeddingBagConfig that its models read."""
+
+    name: str
+    embedding_dim: int
+    feature_names: list[str]
+    pooling: str
+    num_embeddings: int = 0
+
+
+@functools.lru_cache(maxsize=1)
+def _keyed_tensor_class() -> Any:
+    """torchrec's KeyedTensor, or None when torchrec is not installed."""
+    try:
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+    except ImportError:
+        return None
+    return KeyedTensor
+
+
+def tables_from_torchrec(tables: Sequence[Any], **options: Any) -> list[TableConfig]:
+    """:class:`~embcache.TableConfig`s for torchrec ``EmbeddingBagConfig``s (name and dim; ``options`` the rest).
+
+    E.g. ``tables_from_torchrec(configs, optimizer="adagrad", lr=0.01)``; the cache built on them
+    serves :meth:`CachedEmbeddingBagCollection.from_torchrec` over the same configs.
+    """
+    return [TableConfig(name=cfg.name, dim=cfg.embedding_dim, **options) for cfg in tables]
+
+
+# ---------------------------------------------------------------------- checkpoints
+#: (id(state_dict being built), id(cache)) -> (weak reference to it, the checkpoint written for it)
+_CHECKPOINTS: dict[tuple[int, int], tuple[weakref.ref[Any], tuple[str, Any]]] = {}
+
+
+def _checkpoint_once(destination: Any, cache: Any, root: str | None) -> tuple[str, Any]:
+    """Checkpoint ``cache`` under ``root`` once per ``state_dict()`` call: modules sharing a cache share it.
+
+    Returns the directory and what ``cache.checkpoint`` returned (a Client: the servers' directories).
+    """
+    assert root is not None
+    key = (id(destination), id(cache))
+    hit = _CHECKPOINTS.get(key)
+    if hit is not None and hit[0]() is destination:
+        return hit[1]
+    directory = os.path.join(root, f"embcache-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
+    result = (directory, cache.checkpoint(directory))
+    try:
+        ref = weakref.ref(destination, lambda _: _CHECKPOINTS.pop(key, None))
+    except TypeError:  # a destination that takes no weak reference: each module writes its own
+        return result
+    _CHECKPOINTS[key] = (ref, result)
+    return result
+
+
+def _select_all(keys: np.ndarray) -> np.ndarray:
+    return np.ones(keys.shape[0], dtype=bool)
+
+
+def _checkpoint_store(directory: str) -> str:
+    """The store backend a cache checkpoint was written with (its manifest's)."""
+    import json
+
+    try:
+        with open(os.path.join(directory, "manifest.json")) as f:
+            return str(json.load(f)["store"])
+    except FileNotFoundError:
+        raise ConfigError(f"{directory!r} holds no embcache checkpoint (manifest.json missing); was it moved? "
+                          f"The state_dict names it by its absolute path") from None
+
+
+def _replace_rows(cache: Any, table: str, batches: Any) -> None:
+    """Make ``table`` hold exactly the rows of ``batches`` ((keys, records, freq) ...) among its stored rows.
+
+    Stored rows the batches do not have are deleted (a later lookup creates them from the
+    initializer again, as the saved cache would), then the batches' rows are imported.
+    """
+    keys_seen: list[np.ndarray] = []
+    for keys, records, freq in batches:
+        keys = np.asarray(keys, dtype=np.int64)
+        for i in range(0, keys.shape[0], _IMPORT_ROWS):
+            cache.import_rows(table, torch.from_numpy(np.ascontiguousarray(keys[i:i + _IMPORT_ROWS])),
+                              records[i:i + _IMPORT_ROWS], freq[i:i + _IMPORT_ROWS])
+        keys_seen.append(keys)
+    saved = np.concatenate(keys_seen) if keys_seen else np.zeros(0, dtype=np.int64)
+    stale = [k for k, _, _ in cache.export_rows(table, lambda ks: ~np.isin(ks, saved))]
+    for k in stale:
+        for i in range(0, k.shape[0], _IMPORT_ROWS):
+            cache.delete_rows(table, torch.from_numpy(np.ascontiguousarray(k[i:i + _IMPORT_ROWS])))

@@ -299,12 +299,13 @@ def test_bag_ignores_padding_and_keys_after_the_last_offset(make_cache: Any) -> 
     assert counting.calls == calls
 
 
-def test_modules_hold_no_parameters_or_state(make_cache: Any) -> None:
+def test_modules_hold_no_parameters_and_their_rows_as_extra_state(make_cache: Any) -> None:
     cache = make_cache(tables=[sgd1(), sgd1("u", 4)])
     modules = [CachedEmbedding(cache, "t"), CachedEmbeddingBag(cache, "t"),
                CachedEmbeddingBagCollection(cache, {"a": "t", "b": "u"})]
     for m in modules:
-        assert list(m.parameters()) == [] and list(m.buffers()) == [] and m.state_dict() == {}
+        assert list(m.parameters()) == [] and list(m.buffers()) == [] and list(m.state_dict()) == ["_extra_state"]
+        assert CachedEmbedding(cache, "t", persist="none").state_dict() == {}  # the rows: tests/test_nn_state.py
     model = nn.Sequential(modules[1], nn.Linear(DIM, 1))
     assert [p.shape for p in model.parameters()] == [torch.Size([1, DIM]), torch.Size([1])]
     assert "table='t'" in repr(modules[1]) and "mode='mean'" in repr(modules[1])
