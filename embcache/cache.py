@@ -75,7 +75,7 @@ from .optim import OptimizerParams, apply_update, initial_state, state_width
 from .policy import Clock, FrequencySketch, Policy, default_halflife, make_policy
 from .prefetch import PrefetchFuture
 from .stores import Store, open_store
-from .tier import MemoryTier, RowBatch, resident_row_bytes, to_device, to_host
+from .tier import MemoryTier, RowBatch, release_cached_memory, resident_row_bytes, to_device, to_host
 from .types import Tier, memory_tier
 
 __all__ = ["EmbeddingCache"]
@@ -220,7 +220,7 @@ class _Table:
         dtype = cfg.torch_dtype
         self.hbm = MemoryTier(Tier.HBM, hbm_rows, cfg.dim, self.state_width, dtype, device)
         self.ddr = MemoryTier(Tier.DDR, ddr_rows, cfg.dim, self.state_width, dtype, torch.device("cpu"),
-                              pin=device.type == "cuda")
+                              pinned_reads=device.type == "cuda")
         memory_rows = hbm_rows + ddr_rows
         halflife = config.halflife if config.halflife is not None else default_halflife(memory_rows)
         self.clock = Clock(halflife if policy.aging else math.inf)
@@ -441,21 +441,44 @@ class EmbeddingCache:
         return True
 
     def _resize(self, t: _Table, hbm_rows: int, ddr_rows: int) -> None:
-        """Give a table's tiers new capacities, keeping its highest-scored rows (the rest written back)."""
+        """Give a table's tiers new capacities, keeping its highest-scored rows (the rest written back).
+
+        The kept rows wait in ordinary host memory while the old tiers are released and the new
+        ones allocated, so old and new tiers never coexist (on a GPU, the old HBM tier is handed
+        back to the driver before the new one is allocated); the rows are inserted in chunks, so
+        the pinned staging of their copy to the GPU stays bounded, and is freed after.
+        """
         if (hbm_rows, ddr_rows) == (t.hbm.capacity, t.ddr.capacity):
             return
         cpu = torch.device("cpu")
-        rows = RowBatch.cat([t.hbm.read(t.hbm.occupied_slots()).to(cpu), t.ddr.read(t.ddr.occupied_slots())])
+        hbm_part = t.hbm.read(t.hbm.occupied_slots())
+        rows = RowBatch.cat([RowBatch(*(c.cpu() for c in hbm_part._fields())),
+                             t.ddr.read(t.ddr.occupied_slots(), pinned=False)])
+        del hbm_part
         order = torch.argsort(t.policy.score(rows.freq, rows.last, t.clock), descending=True, stable=True)
         rows = rows.select(order)
-        leaving = rows.select(torch.arange(min(hbm_rows + ddr_rows, len(rows)), len(rows)))
+        n_keep = min(hbm_rows + ddr_rows, len(rows))
+        leaving = rows.select(torch.arange(n_keep, len(rows)))
         self._write_store(t, leaving.select(leaving.dirty))  # may raise: nothing changed yet
-        hbm = MemoryTier(Tier.HBM, hbm_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, t.device)
-        ddr = MemoryTier(Tier.DDR, ddr_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, cpu,
-                         pin=t.device.type == "cuda")
-        n_h = min(hbm_rows, len(rows))
-        hbm.insert(rows.select(torch.arange(n_h)))
-        ddr.insert(rows.select(torch.arange(n_h, min(hbm_rows + ddr_rows, len(rows)))))
+        rows = rows.select(torch.arange(n_keep))
+        t.hbm.release()
+        t.ddr.release()
+        release_cached_memory(t.device)
+        try:
+            hbm = MemoryTier(Tier.HBM, hbm_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, t.device)
+            ddr = MemoryTier(Tier.DDR, ddr_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, cpu,
+                             pinned_reads=t.device.type == "cuda")
+            n_h = min(hbm_rows, n_keep)
+            for start in range(0, n_h, _STAGE_CHUNK):
+                hbm.insert(rows.select(torch.arange(start, min(start + _STAGE_CHUNK, n_h))))
+            ddr.insert(rows.select(torch.arange(n_h, n_keep)))
+        except BaseException:
+            # The new tiers did not fit (the old ones are gone): the table goes on with empty
+            # tiers, serving from the store, and no update is lost.
+            self._write_store(t, rows.select(rows.dirty))
+            raise
+        finally:
+            release_cached_memory(t.device)  # the staging of the inserts
         t.hbm, t.ddr = hbm, ddr
         t.reset_mrc(self._config)
         if len(leaving):
@@ -477,6 +500,9 @@ class EmbeddingCache:
                 for t in self._tables.values():
                     if t.mrc is not None:
                         t.mrc.close()
+                    t.hbm.release()  # flushed: the memory goes now, not when the cache is collected
+                    t.ddr.release()
+                release_cached_memory(self._device)
                 if self._readers is not None:  # idle: every read is joined under its table's lock
                     self._readers.shutdown(wait=True)
                     self._readers = None

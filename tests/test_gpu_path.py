@@ -8,8 +8,10 @@ device elsewhere: the stand-in cannot carry autograd (see its docstring).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -211,3 +213,91 @@ def test_background_gpu_work_is_ordered_with_the_callers_stream(fakecuda: FakeCu
     (stream,) = side
     assert stream is not fakecuda.default_stream and isinstance(stream, FakeStream)
     assert any(isinstance(e, FakeEvent) and e.recorded_on is user for e in stream.waited)  # and the other way
+
+
+# ---------------------------------------------------------------------- item 2: memory of the tiers
+def _array_bytes(tier: Any) -> int:
+    return sum(a.untyped_storage().nbytes() for a in tier.arrays())
+
+
+def test_warm_tier_is_exact_host_memory_not_pinned(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # Before: a CUDA cache's DDR tier was allocated with torch's pinned allocator, which rounds
+    # every block up to a power of two (up to 2x ddr_bytes locked), though nothing copies from it
+    # to the GPU directly (reads gather into pinned staging first). Now it is host memory of
+    # exactly its budget, as on a CPU cache, and only staging is pinned.
+    cache: EmbeddingCache = make_cache(hbm_rows=16, ddr_rows=100, device="cuda")
+    ddr = cache._tables["t"].ddr
+    assert ddr.capacity == 100 and ddr.pinned_reads
+    assert not any(fakecuda.is_pinned(a) for a in ddr.arrays())
+    assert _array_bytes(ddr) == sum(a.numel() * a.element_size() for a in ddr.arrays())
+    assert _array_bytes(ddr) <= ddr.capacity * ddr.row_bytes  # within the budget, nothing rounded
+    assert fakecuda.pinned_bytes() == 0
+    keys = torch.arange(300)
+    for start in range(0, 300, 50):  # DDR -> HBM -> DDR traffic, through pinned staging
+        cache.lookup("t", keys[start:start + 50])
+    cache.lookup("t", keys[:50])
+    assert fakecuda.pinned_bytes() == 0  # no staging block outlives its call
+
+
+def test_resize_frees_the_old_tiers_before_making_new_ones(fakecuda: FakeCuda, make_cache: Any,
+                                                           monkeypatch: Any) -> None:
+    # Before: create_table built the new tiers while the old ones were alive (HBM on the GPU,
+    # DDR pinned), and the dropped ones stayed in torch's caches. Now the kept rows wait in host
+    # memory, the old tiers are released, the caches emptied, then the new tiers are made.
+    import embcache.cache as cache_mod
+
+    cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=64, device="cuda")
+    keys = torch.arange(90)
+    cache.apply_gradients("t", keys, torch.ones(90, 8))
+    want = cache.lookup("t", keys).cpu()
+    t = cache._tables["t"]
+    old = [weakref.ref(a) for tier in (t.hbm, t.ddr) for a in tier.arrays()]
+    alive_when_made: list[int] = []
+    real = cache_mod.MemoryTier
+
+    def tracking(*args: Any, **kwargs: Any) -> Any:
+        alive_when_made.append(sum(r() is not None for r in old))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache_mod, "MemoryTier", tracking)
+    with fakecuda.count():
+        assert cache.create_table(adagrad("u"))
+    assert alive_when_made == [0, 0, 0, 0]  # t's two new tiers, u's two: every old array gone
+    assert {"empty_cache", "host_empty_cache"} <= set(fakecuda.counts("mem"))
+    assert fakecuda.pinned_bytes() == 0
+    assert t.hbm.capacity == 16 and t.ddr.capacity == 32
+    torch.testing.assert_close(cache.lookup("t", keys).cpu(), want, rtol=0, atol=0)
+
+
+def test_resize_that_cannot_allocate_loses_no_update(fakecuda: FakeCuda, make_cache: Any, monkeypatch: Any) -> None:
+    # The old tiers are gone before the new ones are made: if those fail (out of memory), the
+    # kept rows are written to the store and the table goes on with empty tiers.
+    import embcache.cache as cache_mod
+
+    cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=64, device="cuda")
+    keys = torch.arange(90)
+    cache.apply_gradients("t", keys, torch.ones(90, 8))
+    want = cache.lookup("t", keys).cpu()
+    real = cache_mod.MemoryTier
+
+    def oom(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(cache_mod, "MemoryTier", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.create_table(adagrad("u"))
+    monkeypatch.setattr(cache_mod, "MemoryTier", real)
+    assert cache._tables["t"].hbm.capacity == 0
+    torch.testing.assert_close(cache.lookup("t", keys).cpu(), want, rtol=0, atol=0)
+    assert cache.create_table(adagrad("u"))  # a later try goes through
+    torch.testing.assert_close(cache.lookup("t", keys).cpu(), want, rtol=0, atol=0)
+
+
+def test_close_releases_every_tier(fakecuda: FakeCuda, make_cache: Any) -> None:
+    cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=64, device="cuda")
+    cache.lookup("t", torch.arange(90))
+    t = cache._tables["t"]
+    cache.close()
+    assert t.hbm.capacity == 0 and t.ddr.capacity == 0 and _array_bytes(t.hbm) == _array_bytes(t.ddr) == 0
+    assert {"empty_cache", "host_empty_cache"} <= set(fakecuda.counts("mem"))
+    assert fakecuda.pinned_bytes() == 0
