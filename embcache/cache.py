@@ -627,12 +627,22 @@ class EmbeddingCache:
             # probe, count the hits and their accesses, copy their rows into out: one pass
             slots, n_hit = t.hbm.find_touch_gather(keys, inc, now, out)
             t.stats.hbm.seconds += time.perf_counter() - t0
-            if n_hit < n:
+            if n_hit < n and self._device.type == "cpu":
                 miss_pos = torch.nonzero(slots < 0).flatten()
                 ukeys, inverse, counts = torch.unique(keys.index_select(0, miss_pos), return_inverse=True,
                                                       return_counts=True)
                 values = self._lookup_below_hbm(t, ukeys, counts, inc, now)
                 out.index_copy_(0, miss_pos, values.index_select(0, inverse))
+            elif n_hit < n:
+                # On a GPU, one host sync for the missed keys: the host knows how many missed, so
+                # their positions come from a stable sort of the hit mask (no nonzero), and the
+                # keys, which the host needs anyway (DDR, the store), are deduplicated there
+                # (torch.unique on the GPU would sync to size its output, then again to copy).
+                miss_pos = torch.argsort((slots >= 0).to(torch.uint8), stable=True)[:n - n_hit]
+                (miss_keys,) = to_host(keys.index_select(0, miss_pos))
+                ukeys, inverse, counts = torch.unique(miss_keys, return_inverse=True, return_counts=True)
+                values = self._lookup_below_hbm(t, ukeys, counts, inc, now)
+                out.index_copy_(0, miss_pos, values.index_select(0, to_device(inverse, self._device)))
             t.stats.lookups += n
             t.stats.hbm.hits += n_hit
             if t.mrc is not None:
@@ -1065,9 +1075,15 @@ class EmbeddingCache:
         if hslots is None:
             hslots = t.hbm.find(ukeys)
         in_h = hslots >= 0
-        h_idx = torch.nonzero(in_h).flatten()
-        h_slots = hslots[h_idx]
-        rest_idx, all_keys = to_host(torch.nonzero(~in_h).flatten(), ukeys)
+        if hslots.device.type == "cpu":
+            h_idx = torch.nonzero(in_h).flatten()
+            h_slots = hslots[h_idx]
+            rest_idx, all_keys = to_host(torch.nonzero(~in_h).flatten(), ukeys)
+        else:  # one host sync: the mask and the keys to the host together, positions found there
+            in_h_host, all_keys = to_host(in_h, ukeys)
+            h_idx = torch.nonzero(in_h_host).flatten()
+            h_slots = hslots.index_select(0, to_device(h_idx, hslots.device))
+            rest_idx = torch.nonzero(~in_h_host).flatten()
         rest_keys = all_keys[rest_idx]
         dslots = t.ddr.find(rest_keys)
         in_d = dslots >= 0
@@ -1207,14 +1223,23 @@ class EmbeddingCache:
                 if keys and not self._closed:
                     self._pin(t, torch.cat(keys), -1)
 
-    def _pin(self, t: _Table, keys: torch.Tensor, delta: int) -> None:
-        """Add ``delta`` to the pins of the resident rows of unique CPU ``keys``."""
+    def _pin(self, t: _Table, keys: torch.Tensor, delta: int, hs: torch.Tensor | None = None,
+             hs_host: torch.Tensor | None = None) -> None:
+        """Add ``delta`` to the pins of the resident rows of unique CPU ``keys``; ``hs`` (and its
+        host copy ``hs_host``): their HBM slots where the caller has them."""
         if keys.numel() == 0:
             return
-        hs = t.hbm.find(keys)
-        in_h = hs >= 0
-        t.hbm.add_pins(hs[in_h], delta)
-        ds = t.ddr.find(keys[~in_h.cpu()])
+        if hs is None:
+            hs = t.hbm.find(keys)
+        if hs.device.type == "cpu":
+            in_h = hs >= 0
+            t.hbm.add_pins(hs[in_h], delta)
+            ds = t.ddr.find(keys[~in_h])
+        else:  # masked on the GPU (a boolean-mask selection there is a host sync); one copy back
+            t.hbm.add_pins(hs, delta, where=hs >= 0)
+            if hs_host is None:
+                (hs_host,) = to_host(hs)
+            ds = t.ddr.find(keys[hs_host < 0])
         t.ddr.add_pins(ds[ds >= 0], delta)
 
     @staticmethod
@@ -1551,9 +1576,11 @@ class EmbeddingCache:
         st.hbm.write_backs += int(cands.dirty[n_in:].sum()) if len(cands) > n_in else 0
         # 5. pin
         targets = torch.cat([keys_h, keys_d])
-        placed = targets[self._resident(t, targets)]
-        if pin:
-            self._pin(t, placed, 1)
+        hs = t.hbm.find(targets)
+        (hs_host,) = to_host(hs)  # the one host sync of this step (on a GPU)
+        placed = targets[(hs_host >= 0) | (t.ddr.find(targets) >= 0)]
+        if pin:  # the resident targets: those placed
+            self._pin(t, targets, 1, hs, hs_host)
         return placed
 
     def _stage_for_update(self, t: _Table, keys: torch.Tensor, now: int) -> RowBatch:

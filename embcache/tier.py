@@ -302,12 +302,19 @@ class MemoryTier:
         self._free[self._n_free:self._n_free + n] = slots
         self._n_free += n
 
-    def add_pins(self, slots: torch.Tensor, delta: int) -> None:
-        """Add ``delta`` to the pin counts of ``slots`` (unique; a count never drops below 0)."""
-        if slots.numel() == 0:
+    def add_pins(self, slots: torch.Tensor, delta: int, where: torch.Tensor | None = None) -> None:
+        """Add ``delta`` to the pin counts of ``slots`` (unique; a count never drops below 0); with
+        ``where`` (bool, like ``slots``), only to those slots where it is True (the others may be
+        -1: a GPU caller masks instead of selecting, which would cost a host sync)."""
+        if slots.numel() == 0 or self.capacity == 0:
             return
         slots = to_device(slots, self.device)
-        self.pins.index_add_(0, slots, torch.full(slots.shape, delta, dtype=torch.int32, device=self.device))
+        if where is None:
+            amounts = torch.full(slots.shape, delta, dtype=torch.int32, device=self.device)
+        else:
+            amounts = where.to(torch.int32) * delta
+            slots = slots.clamp(min=0)  # masked-out slots add 0 to slot 0
+        self.pins.index_add_(0, slots, amounts)
         self.pins[slots] = self.pins[slots].clamp_(min=0)
 
     def pinned_count(self) -> int:
