@@ -995,9 +995,13 @@ class EmbeddingCache:
                                  grads.to(torch.float32), hbm.fused_scratch())
                     t.stats.updates += keys.numel()
                     return
-            ukeys, inverse = torch.unique(keys, return_inverse=True)
-            gsum = torch.zeros(ukeys.numel(), t.cfg.dim, dtype=torch.float32, device=self._device)
-            gsum.index_add_(0, inverse, grads)
+            if self._device.type == "cpu":
+                ukeys, inverse = torch.unique(keys, return_inverse=True)
+                gsum = torch.zeros(ukeys.numel(), t.cfg.dim, dtype=torch.float32, device=self._device)
+                gsum.index_add_(0, inverse, grads)
+            else:  # no atomics: the same sums on every run (see _segment_sum)
+                ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+                gsum = _segment_sum(grads, inverse, counts)
             hslots = hbm.find(ukeys)
             if hbm.capacity and bool((hslots >= 0).all()):
                 # every row in HBM: update in place, nothing to stage or place
@@ -1942,6 +1946,18 @@ _MALLOC_TRIM: list[Any] = [None]
 _TRIM_INTERVAL = 5.0
 _TRIM_LOCK = threading.Lock()
 _TRIM_STATE: dict[str, Any] = {"last": -math.inf, "timer": None}
+
+
+def _segment_sum(values: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Sums of the rows of ``values`` [n, d] by group: ``inverse`` [n] the group of each row
+    (0..u-1), ``counts`` [u] the rows in each (all >= 1). Each group's rows are added one after
+    the other in their order in the batch, from 0 (``0 + v0 + v1 + ...``): the bits of
+    ``index_add_`` into zeros on the CPU, and the same bits on every run on a GPU, where
+    ``index_add_`` adds with atomics in whatever order threads meet (float addition is not
+    associative). A stable sort groups the rows; torch's segment reduction sums each group in
+    one thread per column, in order. ``unsafe`` skips its check of the lengths (a host sync)."""
+    order = torch.argsort(inverse, stable=True)
+    return torch.segment_reduce(values.index_select(0, order), "sum", lengths=counts, unsafe=True)
 
 
 def _all_finite(values: torch.Tensor) -> bool:

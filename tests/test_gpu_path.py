@@ -302,3 +302,41 @@ def test_close_releases_every_tier(fakecuda: FakeCuda, make_cache: Any) -> None:
     assert {"empty_cache", "host_empty_cache"} <= set(fakecuda.counts("mem"))
     assert fakecuda.pinned_bytes() == 0
 
+
+# ---------------------------------------------------------------------- item 6: reproducible sums of duplicates
+def test_segment_sum_adds_each_keys_gradients_in_batch_order(fakecuda: FakeCuda) -> None:
+    # The CUDA update sums duplicate keys' gradients with a segment reduction (one thread per
+    # column of a key, in batch order) instead of index_add_, whose atomics on a GPU add in any
+    # order: the same bits as the CPU's sequential index_add_ into zeros. The stand-in runs
+    # torch's CPU kernels, so this shows the order of the additions, not a GPU's run-to-run bits.
+    from embcache.cache import _segment_sum
+
+    gen = torch.Generator().manual_seed(7)
+    keys = torch.cat([torch.zeros(300, dtype=torch.int64), torch.randint(0, 50, (700,), generator=gen)])
+    keys = keys[torch.randperm(1000, generator=gen)]
+    grads = torch.randn(1000, 16, generator=gen) * torch.logspace(-6, 6, 16)  # rounding shows in the order
+    grads[::7] = -0.0
+    ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    want = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse, grads)
+    got = _segment_sum(grads.cuda(), inverse.cuda(), counts.cuda())
+    assert is_fake_cuda(got)
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))  # bitwise, signs of zero too
+    shuffled = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse.flip(0), grads.flip(0))
+    assert not torch.equal(shuffled, want)  # another order gives other bits: the order is what is tested
+
+
+def test_cuda_update_of_duplicate_keys_matches_the_cpu_sum(fakecuda: FakeCuda, make_cache: Any) -> None:
+    cfg = TableConfig(name="t", dim=16, optimizer="adagrad", lr=0.1, seed=3)
+    cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=32, device="cuda", tables=[cfg])
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randint(0, 20, (500,), generator=gen)
+    grads = torch.randn(500, 16, generator=gen) * torch.logspace(-4, 4, 16)
+    ukeys, inverse = torch.unique(keys, return_inverse=True)
+    before = cache.lookup("t", ukeys).cpu()
+    params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
+                             weight_decay=cfg.weight_decay)
+    state = initial_state(cfg.optimizer, 16, ukeys.numel(), torch.device("cpu"), cfg.initial_accumulator_value)
+    gsum = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse, grads)
+    want, _ = torch_update(cfg.optimizer, params, before, state, gsum)
+    cache.apply_gradients("t", keys.cuda(), grads.cuda())
+    assert torch.equal(cache.lookup("t", ukeys).cpu(), want)
