@@ -75,7 +75,7 @@ from .optim import OptimizerParams, apply_update, initial_state, state_width
 from .policy import Clock, FrequencySketch, Policy, default_halflife, make_policy
 from .prefetch import PrefetchFuture
 from .stores import Store, open_store
-from .tier import MemoryTier, RowBatch, resident_row_bytes, to_device, to_host
+from .tier import MemoryTier, RowBatch, release_cached_memory, resident_row_bytes, to_device, to_host
 from .types import Tier, memory_tier
 
 __all__ = ["EmbeddingCache"]
@@ -220,7 +220,7 @@ class _Table:
         dtype = cfg.torch_dtype
         self.hbm = MemoryTier(Tier.HBM, hbm_rows, cfg.dim, self.state_width, dtype, device)
         self.ddr = MemoryTier(Tier.DDR, ddr_rows, cfg.dim, self.state_width, dtype, torch.device("cpu"),
-                              pin=device.type == "cuda")
+                              pinned_reads=device.type == "cuda")
         memory_rows = hbm_rows + ddr_rows
         halflife = config.halflife if config.halflife is not None else default_halflife(memory_rows)
         self.clock = Clock(halflife if policy.aging else math.inf)
@@ -441,21 +441,44 @@ class EmbeddingCache:
         return True
 
     def _resize(self, t: _Table, hbm_rows: int, ddr_rows: int) -> None:
-        """Give a table's tiers new capacities, keeping its highest-scored rows (the rest written back)."""
+        """Give a table's tiers new capacities, keeping its highest-scored rows (the rest written back).
+
+        The kept rows wait in ordinary host memory while the old tiers are released and the new
+        ones allocated, so old and new tiers never coexist (on a GPU, the old HBM tier is handed
+        back to the driver before the new one is allocated); the rows are inserted in chunks, so
+        the pinned staging of their copy to the GPU stays bounded, and is freed after.
+        """
         if (hbm_rows, ddr_rows) == (t.hbm.capacity, t.ddr.capacity):
             return
         cpu = torch.device("cpu")
-        rows = RowBatch.cat([t.hbm.read(t.hbm.occupied_slots()).to(cpu), t.ddr.read(t.ddr.occupied_slots())])
+        hbm_part = t.hbm.read(t.hbm.occupied_slots())
+        rows = RowBatch.cat([RowBatch(*(c.cpu() for c in hbm_part._fields())),
+                             t.ddr.read(t.ddr.occupied_slots(), pinned=False)])
+        del hbm_part
         order = torch.argsort(t.policy.score(rows.freq, rows.last, t.clock), descending=True, stable=True)
         rows = rows.select(order)
-        leaving = rows.select(torch.arange(min(hbm_rows + ddr_rows, len(rows)), len(rows)))
+        n_keep = min(hbm_rows + ddr_rows, len(rows))
+        leaving = rows.select(torch.arange(n_keep, len(rows)))
         self._write_store(t, leaving.select(leaving.dirty))  # may raise: nothing changed yet
-        hbm = MemoryTier(Tier.HBM, hbm_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, t.device)
-        ddr = MemoryTier(Tier.DDR, ddr_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, cpu,
-                         pin=t.device.type == "cuda")
-        n_h = min(hbm_rows, len(rows))
-        hbm.insert(rows.select(torch.arange(n_h)))
-        ddr.insert(rows.select(torch.arange(n_h, min(hbm_rows + ddr_rows, len(rows)))))
+        rows = rows.select(torch.arange(n_keep))
+        t.hbm.release()
+        t.ddr.release()
+        release_cached_memory(t.device)
+        try:
+            hbm = MemoryTier(Tier.HBM, hbm_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, t.device)
+            ddr = MemoryTier(Tier.DDR, ddr_rows, t.cfg.dim, t.state_width, t.cfg.torch_dtype, cpu,
+                             pinned_reads=t.device.type == "cuda")
+            n_h = min(hbm_rows, n_keep)
+            for start in range(0, n_h, _STAGE_CHUNK):
+                hbm.insert(rows.select(torch.arange(start, min(start + _STAGE_CHUNK, n_h))))
+            ddr.insert(rows.select(torch.arange(n_h, n_keep)))
+        except BaseException:
+            # The new tiers did not fit (the old ones are gone): the table goes on with empty
+            # tiers, serving from the store, and no update is lost.
+            self._write_store(t, rows.select(rows.dirty))
+            raise
+        finally:
+            release_cached_memory(t.device)  # the staging of the inserts
         t.hbm, t.ddr = hbm, ddr
         t.reset_mrc(self._config)
         if len(leaving):
@@ -477,6 +500,9 @@ class EmbeddingCache:
                 for t in self._tables.values():
                     if t.mrc is not None:
                         t.mrc.close()
+                    t.hbm.release()  # flushed: the memory goes now, not when the cache is collected
+                    t.ddr.release()
+                release_cached_memory(self._device)
                 if self._readers is not None:  # idle: every read is joined under its table's lock
                     self._readers.shutdown(wait=True)
                     self._readers = None
@@ -601,12 +627,22 @@ class EmbeddingCache:
             # probe, count the hits and their accesses, copy their rows into out: one pass
             slots, n_hit = t.hbm.find_touch_gather(keys, inc, now, out)
             t.stats.hbm.seconds += time.perf_counter() - t0
-            if n_hit < n:
+            if n_hit < n and self._device.type == "cpu":
                 miss_pos = torch.nonzero(slots < 0).flatten()
                 ukeys, inverse, counts = torch.unique(keys.index_select(0, miss_pos), return_inverse=True,
                                                       return_counts=True)
                 values = self._lookup_below_hbm(t, ukeys, counts, inc, now)
                 out.index_copy_(0, miss_pos, values.index_select(0, inverse))
+            elif n_hit < n:
+                # On a GPU, one host sync for the missed keys: the host knows how many missed, so
+                # their positions come from a stable sort of the hit mask (no nonzero), and the
+                # keys, which the host needs anyway (DDR, the store), are deduplicated there
+                # (torch.unique on the GPU would sync to size its output, then again to copy).
+                miss_pos = torch.argsort((slots >= 0).to(torch.uint8), stable=True)[:n - n_hit]
+                (miss_keys,) = to_host(keys.index_select(0, miss_pos))
+                ukeys, inverse, counts = torch.unique(miss_keys, return_inverse=True, return_counts=True)
+                values = self._lookup_below_hbm(t, ukeys, counts, inc, now)
+                out.index_copy_(0, miss_pos, values.index_select(0, to_device(inverse, self._device)))
             t.stats.lookups += n
             t.stats.hbm.hits += n_hit
             if t.mrc is not None:
@@ -959,9 +995,13 @@ class EmbeddingCache:
                                  grads.to(torch.float32), hbm.fused_scratch())
                     t.stats.updates += keys.numel()
                     return
-            ukeys, inverse = torch.unique(keys, return_inverse=True)
-            gsum = torch.zeros(ukeys.numel(), t.cfg.dim, dtype=torch.float32, device=self._device)
-            gsum.index_add_(0, inverse, grads)
+            if self._device.type == "cpu":
+                ukeys, inverse = torch.unique(keys, return_inverse=True)
+                gsum = torch.zeros(ukeys.numel(), t.cfg.dim, dtype=torch.float32, device=self._device)
+                gsum.index_add_(0, inverse, grads)
+            else:  # no atomics: the same sums on every run (see _segment_sum)
+                ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+                gsum = _segment_sum(grads, inverse, counts)
             hslots = hbm.find(ukeys)
             if hbm.capacity and bool((hslots >= 0).all()):
                 # every row in HBM: update in place, nothing to stage or place
@@ -1039,9 +1079,15 @@ class EmbeddingCache:
         if hslots is None:
             hslots = t.hbm.find(ukeys)
         in_h = hslots >= 0
-        h_idx = torch.nonzero(in_h).flatten()
-        h_slots = hslots[h_idx]
-        rest_idx, all_keys = to_host(torch.nonzero(~in_h).flatten(), ukeys)
+        if hslots.device.type == "cpu":
+            h_idx = torch.nonzero(in_h).flatten()
+            h_slots = hslots[h_idx]
+            rest_idx, all_keys = to_host(torch.nonzero(~in_h).flatten(), ukeys)
+        else:  # one host sync: the mask and the keys to the host together, positions found there
+            in_h_host, all_keys = to_host(in_h, ukeys)
+            h_idx = torch.nonzero(in_h_host).flatten()
+            h_slots = hslots.index_select(0, to_device(h_idx, hslots.device))
+            rest_idx = torch.nonzero(~in_h_host).flatten()
         rest_keys = all_keys[rest_idx]
         dslots = t.ddr.find(rest_keys)
         in_d = dslots >= 0
@@ -1181,14 +1227,23 @@ class EmbeddingCache:
                 if keys and not self._closed:
                     self._pin(t, torch.cat(keys), -1)
 
-    def _pin(self, t: _Table, keys: torch.Tensor, delta: int) -> None:
-        """Add ``delta`` to the pins of the resident rows of unique CPU ``keys``."""
+    def _pin(self, t: _Table, keys: torch.Tensor, delta: int, hs: torch.Tensor | None = None,
+             hs_host: torch.Tensor | None = None) -> None:
+        """Add ``delta`` to the pins of the resident rows of unique CPU ``keys``; ``hs`` (and its
+        host copy ``hs_host``): their HBM slots where the caller has them."""
         if keys.numel() == 0:
             return
-        hs = t.hbm.find(keys)
-        in_h = hs >= 0
-        t.hbm.add_pins(hs[in_h], delta)
-        ds = t.ddr.find(keys[~in_h.cpu()])
+        if hs is None:
+            hs = t.hbm.find(keys)
+        if hs.device.type == "cpu":
+            in_h = hs >= 0
+            t.hbm.add_pins(hs[in_h], delta)
+            ds = t.ddr.find(keys[~in_h])
+        else:  # masked on the GPU (a boolean-mask selection there is a host sync); one copy back
+            t.hbm.add_pins(hs, delta, where=hs >= 0)
+            if hs_host is None:
+                (hs_host,) = to_host(hs)
+            ds = t.ddr.find(keys[hs_host < 0])
         t.ddr.add_pins(ds[ds >= 0], delta)
 
     @staticmethod
@@ -1525,9 +1580,11 @@ class EmbeddingCache:
         st.hbm.write_backs += int(cands.dirty[n_in:].sum()) if len(cands) > n_in else 0
         # 5. pin
         targets = torch.cat([keys_h, keys_d])
-        placed = targets[self._resident(t, targets)]
-        if pin:
-            self._pin(t, placed, 1)
+        hs = t.hbm.find(targets)
+        (hs_host,) = to_host(hs)  # the one host sync of this step (on a GPU)
+        placed = targets[(hs_host >= 0) | (t.ddr.find(targets) >= 0)]
+        if pin:  # the resident targets: those placed
+            self._pin(t, targets, 1, hs, hs_host)
         return placed
 
     def _stage_for_update(self, t: _Table, keys: torch.Tensor, now: int) -> RowBatch:
@@ -1889,6 +1946,18 @@ _MALLOC_TRIM: list[Any] = [None]
 _TRIM_INTERVAL = 5.0
 _TRIM_LOCK = threading.Lock()
 _TRIM_STATE: dict[str, Any] = {"last": -math.inf, "timer": None}
+
+
+def _segment_sum(values: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Sums of the rows of ``values`` [n, d] by group: ``inverse`` [n] the group of each row
+    (0..u-1), ``counts`` [u] the rows in each (all >= 1). Each group's rows are added one after
+    the other in their order in the batch, from 0 (``0 + v0 + v1 + ...``): the bits of
+    ``index_add_`` into zeros on the CPU, and the same bits on every run on a GPU, where
+    ``index_add_`` adds with atomics in whatever order threads meet (float addition is not
+    associative). A stable sort groups the rows; torch's segment reduction sums each group in
+    one thread per column, in order. ``unsafe`` skips its check of the lengths (a host sync)."""
+    order = torch.argsort(inverse, stable=True)
+    return torch.segment_reduce(values.index_select(0, order), "sum", lengths=counts, unsafe=True)
 
 
 def _all_finite(values: torch.Tensor) -> bool:

@@ -183,8 +183,8 @@ class CacheConfig:
         hbm_bytes: bytes of the hot tier (on ``device``) shared by all tables, split by
             ``TableConfig.memory_share``; None = 1/8 of the device memory (CPU: of RAM), capped at 4 GiB.
             0 disables the tier.
-        ddr_bytes: bytes of the warm tier in host memory (pinned with CUDA); None = 1/8 of RAM (of
-            the cgroup memory limit where lower), capped at 8 GiB. 0 disables the tier.
+        ddr_bytes: bytes of the warm tier in host memory (not pinned: copies to a GPU are staged);
+            None = 1/8 of RAM (of the cgroup memory limit where lower), capped at 8 GiB. 0 disables the tier.
         path: directory of the cold-tier store (created if missing; reopened if it exists).
         store: "rocksdb" (default) or "lmdb".
         device: device of the hot tier; None = "cuda" when available, else "cpu".

@@ -212,6 +212,11 @@ class KeyIndex(abc.ABC):
         slots, hits = self.find_touch(keys, freq, last, inc, now)
         if hits == slots.numel() and rows.dtype == out.dtype:
             torch.index_select(rows, 0, slots, out=out)  # all found: one gather straight into out
+        elif hits and self.device.type != "cpu":
+            # On a GPU: every key's row gathered (slot 0 for misses) and kept where found, no
+            # nonzero (a host sync to size its output)
+            found = (slots >= 0)[:, None]
+            out.copy_(torch.where(found, rows.index_select(0, slots.clamp(min=0)).to(out.dtype), out))
         elif hits:
             # index_select / index_copy_: several times faster on CPU than out[pos] = ... (index_put_)
             pos = torch.nonzero(slots >= 0).flatten()
@@ -293,7 +298,7 @@ class TorchIndex(KeyIndex):
     def _bytes(self, nb: int) -> int:
         """Bytes of the table at ``nb`` buckets with a full stash: keys and slots (16 per entry),
         a filler key (8) and a stash mark (1) per bucket, 16 per stash entry."""
-        return nb * (16 * self.bucket_width + 9) + 16 * self.stash_capacity + 8 * self._word_base.numel()
+        return nb * (16 * self.bucket_width + 9) + 16 * self.stash_capacity + 8 * self._word_base.numel() + 16
 
     @property
     def nbytes(self) -> int:
@@ -307,8 +312,16 @@ class TorchIndex(KeyIndex):
         # of bucket b hold it, so a key probing b (its h1 or h2 is b) cannot equal it: a key match
         # is always a live entry, and find compares keys only, then reads one slot per key.
         self._filler = unmix64((b ^ 1) | ((b ^ 1) << 32))
-        self._keys = self._filler[:, None].repeat(1, self.bucket_width)  # [nb, B]
-        self._slots = torch.full((nb, self.bucket_width), -1, dtype=torch.int64, device=self.device)  # -1: empty
+        # Flat tables of nb * B entries and one more, outside every bucket: where the GPU path's
+        # masked writes put the entries it does not mean to write (a write to a position picked
+        # out by a boolean mask would cost a host sync to learn how many there are).
+        entries = nb * self.bucket_width
+        self._dump = entries
+        self._keys_flat = torch.cat((self._filler[:, None].repeat(1, self.bucket_width).view(-1),
+                                     torch.zeros(1, dtype=torch.int64, device=self.device)))
+        self._slots_flat = torch.full((entries + 1,), -1, dtype=torch.int64, device=self.device)  # -1: empty
+        self._keys = self._keys_flat[:entries].view(nb, self.bucket_width)  # [nb, B]
+        self._slots = self._slots_flat[:entries].view(nb, self.bucket_width)
         self._stash_keys = torch.empty(0, dtype=torch.int64, device=self.device)  # sorted
         self._stash_slots = torch.empty(0, dtype=torch.int64, device=self.device)
         # First buckets of stashed keys: a key whose first bucket is unmarked is not in the
@@ -442,13 +455,10 @@ class TorchIndex(KeyIndex):
             return
         k, s = keys, slots
         while True:
-            h = mix64(k)
-            for second in (False, True):
-                left = ~self._place(k, s, self._bucket(h, second))
-                k, s, h = k[left], s[left], h[left]
-                if k.numel() == 0:
-                    self._len += n
-                    return
+            k, s = self._place_both(k, s)
+            if k.numel() == 0:
+                self._len += n
+                return
             if self.n_stashed + k.numel() <= self.stash_capacity:
                 self._set_stash(torch.cat((self._stash_keys, k)), torch.cat((self._stash_slots, s)))
                 self._len += n
@@ -460,25 +470,56 @@ class TorchIndex(KeyIndex):
             s = torch.cat((self._slots[live], self._stash_slots, s))
             self._alloc(self._nb * 2)
 
-    def _place(self, k: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """Put each key in a free entry of its bucket ``b``; returns bool [m]: placed."""
+    def _place_both(self, k: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put each key in its first bucket, else its second; returns the keys and slots left over."""
+        h = mix64(k)
+        if self.device.type == "cpu":  # each pass on the keys still left (compacted)
+            for second in (False, True):
+                left = ~self._place(k, s, self._bucket(h, second))
+                k, s, h = k[left], s[left], h[left]
+                if k.numel() == 0:
+                    break
+            return k, s
+        # The GPU path: both passes over every key, those already placed masked out, and one
+        # host sync to learn whether any is left (almost never: then they are compacted).
+        left = torch.ones(k.shape, dtype=torch.bool, device=self.device)
+        for second in (False, True):
+            left &= ~self._place(k, s, self._bucket(h, second), left)
+        if not bool(left.any()):
+            return k[:0], s[:0]
+        return k[left], s[left]
+
+    def _place(self, k: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
+               active: torch.Tensor | None = None) -> torch.Tensor:
+        """Put each key (of those ``active``, bool [m], if given) in a free entry of its bucket
+        ``b``; returns bool [m]: placed."""
         order = torch.argsort(b, stable=True)
         bs = b[order]
         m = bs.numel()
-        pos = torch.arange(m, dtype=torch.int64, device=self.device)
         start = torch.ones(m, dtype=torch.bool, device=self.device)
         start[1:] = bs[1:] != bs[:-1]
-        # Rank of each key among the batch's keys for the same bucket.
-        rank = pos - torch.where(start, pos, 0).cummax(0).values
+        # Rank of each key among the batch's (active) keys for the same bucket.
+        if active is None:
+            pos = torch.arange(m, dtype=torch.int64, device=self.device)
+            rank = pos - torch.where(start, pos, 0).cummax(0).values
+        else:
+            act = active.index_select(0, order)
+            before = act.cumsum(0) - act.to(torch.int64)  # active keys before each, in bucket order
+            rank = before - torch.where(start, before, 0).cummax(0).values
         cfree = (self._slots.index_select(0, bs) < 0).cumsum(1)  # [m, B] free entries so far
         ok_sorted = rank < cfree[:, -1]
         # The key of rank r takes the (r+1)-th free entry: its column is the number of columns
         # before the free count reaches r+1.
         col = (cfree <= rank[:, None]).sum(1)
-        flat = (bs * self.bucket_width + col)[ok_sorted]
-        src = order[ok_sorted]
-        self._keys.view(-1).index_copy_(0, flat, k[src])
-        self._slots.view(-1).index_copy_(0, flat, s[src])
+        if active is None:
+            flat = (bs * self.bucket_width + col)[ok_sorted]
+            src = order[ok_sorted]
+        else:  # no boolean-mask selection: the keys not placed write to the spare entry
+            ok_sorted &= act
+            flat = torch.where(ok_sorted, bs * self.bucket_width + col, self._dump)
+            src = order
+        self._keys_flat.index_copy_(0, flat, k.index_select(0, src))
+        self._slots_flat.index_copy_(0, flat, s.index_select(0, src))
         ok = torch.empty(m, dtype=torch.bool, device=self.device)
         ok[order] = ok_sorted
         return ok
@@ -493,6 +534,9 @@ class TorchIndex(KeyIndex):
         if keys.numel() == 0 or self._len == 0:
             return
         h = mix64(keys)
+        if self.device.type != "cpu":
+            self._erase_masked(keys, h)
+            return
         for second in (False, True):
             b = self._bucket(h, second)
             hit, pos = self._match(keys, b[:, None])
@@ -503,7 +547,26 @@ class TorchIndex(KeyIndex):
             keys, h = keys[~hit], h[~hit]
             if keys.numel() == 0:
                 return
-        if self.n_stashed:
+        self._erase_stashed(keys)
+
+    def _erase_masked(self, keys: torch.Tensor, h: torch.Tensor) -> None:
+        # The GPU path: both buckets searched for every key; the keys not found there (or found
+        # in the first) write to the spare entry. One host sync, for the count removed.
+        left = torch.ones(keys.shape, dtype=torch.bool, device=self.device)
+        for second in (False, True):
+            b = self._bucket(h, second)
+            hit, pos = self._match(keys, b[:, None])
+            hit &= left
+            pos = torch.where(hit, pos, self._dump)
+            self._slots_flat.index_fill_(0, pos, -1)
+            self._keys_flat.index_copy_(0, pos, self._filler.index_select(0, b))
+            left &= ~hit
+        self._len -= int(keys.numel() - left.sum())
+        if self.n_stashed:  # rare (a few keys per million): compacted, with the syncs that costs
+            self._erase_stashed(keys[left])
+
+    def _erase_stashed(self, keys: torch.Tensor) -> None:
+        if self.n_stashed and keys.numel():
             keep = ~torch.isin(self._stash_keys, keys)
             self._set_stash(self._stash_keys[keep], self._stash_slots[keep])
             self._len -= int((~keep).sum())

@@ -18,7 +18,7 @@ from .hostmem import host_zeros
 from .index import make_index
 from .types import Tier
 
-__all__ = ["MemoryTier", "RowBatch", "resident_row_bytes", "to_device", "to_host"]
+__all__ = ["MemoryTier", "RowBatch", "release_cached_memory", "resident_row_bytes", "to_device", "to_host"]
 
 # Per-row bookkeeping besides weights and state: freq (8), last (8), key (8), occupied and
 # dirty (1 + 1), pins (4), the free-slot stack (8), the fused update's slot map (4) and the
@@ -66,6 +66,19 @@ def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out.append(t)
     torch.cuda.current_stream().synchronize()
     return tuple(out)
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the free blocks of torch's caching allocators back after tiers were dropped (a resize,
+    close): the GPU's (old HBM tiers), and the pinned host blocks that staged copies (torch keeps
+    each, rounded up to a power of two, for reuse; a block whose copy is still pending is freed
+    once it has run). No-op on the CPU."""
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds only
+    if host_empty_cache is not None:
+        host_empty_cache()
 
 
 @dataclass
@@ -124,27 +137,37 @@ class MemoryTier:
         state_width: float32 optimizer-state values per row.
         dtype: storage dtype of the weights.
         device: where the rows live.
-        pin: allocate in pinned host memory (DDR with CUDA present).
+        pinned_reads: gather reads into pinned memory, for a copy to the GPU (DDR with CUDA present).
     """
 
     def __init__(self, tier: Tier, capacity: int, dim: int, state_width: int, dtype: torch.dtype,
-                 device: torch.device, pin: bool = False) -> None:
+                 device: torch.device, pinned_reads: bool = False) -> None:
         self.tier = tier
-        self.capacity = capacity
         self.dim = dim
         self.device = device
-        pin = pin and device.type == "cpu" and torch.cuda.is_available()
-        self.pinned = pin
+        self._state_width = state_width
+        self._dtype = dtype
+        # Reads of a CUDA cache's DDR tier go to the GPU: they are gathered straight into pinned
+        # staging buffers. The tier itself is ordinary host memory of exactly its budget (huge
+        # pages where offered), as on a CPU cache: nothing copies from it to the GPU directly
+        # (every read is a gather first), so pinning it only locked memory, rounded up to a power
+        # of two by torch's pinned allocator (up to 2x ``ddr_bytes``) and committed all of it at once.
+        self.pinned_reads = pinned_reads and device.type == "cpu" and torch.cuda.is_available()
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        device = self.device
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             # The arrays that lookups and evictions read at random: on huge pages in host memory
-            # (see embcache/hostmem.py); pinned (DDR with CUDA present) or on a GPU as torch makes them.
-            if device.type == "cpu" and not pin:
+            # (see embcache/hostmem.py); on a GPU as torch makes them.
+            if device.type == "cpu":
                 return host_zeros(shape, dtype)
-            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+            return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.weights = zeros((capacity, dim), dtype)
-        self.state = zeros((capacity, state_width), torch.float32)
+        self.capacity = capacity
+        self.weights = zeros((capacity, self.dim), self._dtype)
+        self.state = zeros((capacity, self._state_width), torch.float32)
         self.freq = zeros((capacity,), torch.float64)
         self.last = zeros((capacity,), torch.int64)
         self.keys = zeros((capacity,), torch.int64)
@@ -157,6 +180,17 @@ class MemoryTier:
         # Free slots as a stack; popping from the end hands out low slots first.
         self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
         self._n_free = capacity
+
+    def release(self) -> None:
+        """Give this tier's memory back now (a resize replaced it, or the cache closed): every array
+        is replaced by an empty one, so the memory goes even where something still refers to the
+        tier; the tier is left with capacity 0. The caller has written dirty rows back."""
+        self._allocate(0)
+
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        """Every per-row array the tier allocated (the key index apart)."""
+        return (self.weights, self.state, self.freq, self.last, self.keys, self.occupied, self.dirty, self.pins,
+                self._mark, self._free)
 
     # -- sizes ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -206,10 +240,11 @@ class MemoryTier:
         self.freq.index_add_(0, slots, to_device(amounts, self.device))
         self.last.index_fill_(0, slots, now)
 
-    def read(self, slots: torch.Tensor) -> RowBatch:
-        """Copies of the rows at ``slots`` (no change to the tier)."""
+    def read(self, slots: torch.Tensor, pinned: bool = True) -> RowBatch:
+        """Copies of the rows at ``slots`` (no change to the tier); ``pinned=False`` keeps a CUDA
+        cache's DDR reads out of pinned memory (rows that stay on the host)."""
         slots = to_device(slots, self.device)
-        if self.pinned:  # gathered straight into pinned memory: the copy to the GPU needs no staging
+        if self.pinned_reads and pinned:  # gathered straight into pinned memory: the copy to the GPU needs no staging
             return RowBatch(*(torch.index_select(t, 0, slots, out=torch.empty(
                 (slots.numel(), *t.shape[1:]), dtype=t.dtype, pin_memory=True)) for t in self._columns()))
         return RowBatch(*(t.index_select(0, slots) for t in self._columns()))
@@ -267,12 +302,19 @@ class MemoryTier:
         self._free[self._n_free:self._n_free + n] = slots
         self._n_free += n
 
-    def add_pins(self, slots: torch.Tensor, delta: int) -> None:
-        """Add ``delta`` to the pin counts of ``slots`` (unique; a count never drops below 0)."""
-        if slots.numel() == 0:
+    def add_pins(self, slots: torch.Tensor, delta: int, where: torch.Tensor | None = None) -> None:
+        """Add ``delta`` to the pin counts of ``slots`` (unique; a count never drops below 0); with
+        ``where`` (bool, like ``slots``), only to those slots where it is True (the others may be
+        -1: a GPU caller masks instead of selecting, which would cost a host sync)."""
+        if slots.numel() == 0 or self.capacity == 0:
             return
         slots = to_device(slots, self.device)
-        self.pins.index_add_(0, slots, torch.full(slots.shape, delta, dtype=torch.int32, device=self.device))
+        if where is None:
+            amounts = torch.full(slots.shape, delta, dtype=torch.int32, device=self.device)
+        else:
+            amounts = where.to(torch.int32) * delta
+            slots = slots.clamp(min=0)  # masked-out slots add 0 to slot 0
+        self.pins.index_add_(0, slots, amounts)
         self.pins[slots] = self.pins[slots].clamp_(min=0)
 
     def pinned_count(self) -> int:

@@ -20,7 +20,9 @@ a real GPU makes costly:
 * **Stand-ins**: ``torch.cuda.is_available/current_device/device_count/get_device_properties/
   set_device/synchronize``, ``Stream``, ``Event``, ``current_stream``, ``default_stream``,
   ``stream(...)`` (a per-thread current stream), pinned memory (``pin_memory=True``,
-  ``Tensor.pin_memory()``, ``is_pinned()``, tracked by storage) and ``torch.Generator(device="cuda")``
+  ``Tensor.pin_memory()``, ``is_pinned()``, tracked by storage; :meth:`FakeCuda.pinned_bytes` is
+  what is alive), ``torch.cuda.empty_cache`` and the pinned cache's ``torch._C._host_emptyCache``
+  (recorded as ``"mem"`` events) and ``torch.Generator(device="cuda")``
   (a CPU generator marked CUDA; a random op on the fake device with a CPU generator, or the other
   way round, raises as torch does).
 * **Threads**: torch function modes are per thread, so every ``threading.Thread`` started while
@@ -35,7 +37,8 @@ What it cannot do faithfully (tests must not rely on these):
   record what was asked (:attr:`FakeStream.waited`); a race between streams cannot show, and a
   non-blocking copy's data is valid at once.
 * **Numerics**: results are the CPU kernels' (CUDA's atomics in ``index_add_`` are not
-  reproduced), and memory (the caching allocators, pinned rounding) is not modeled.
+  reproduced), and memory (the caching allocators, pinned rounding, what a GPU holds) is not
+  modeled: only live pinned tensors are counted, and the calls that empty the caches recorded.
 * Ops reached below the torch-function level (inside C++ composite ops) are not seen by the
   mode; ``FakeCudaTensor.__torch_dispatch__`` runs them on the CPU data without counting.
 """
@@ -203,7 +206,7 @@ class FakeCuda:
             self.events.append((threading.get_ident(), kind, what))
 
     def counts(self, kind: str | None = None, thread: int | None = None) -> Counter[str]:
-        """What was counted (``{what: n}``) of ``kind`` ("sync", "h2d", "d2h_async"), in ``thread``
+        """What was counted (``{what: n}``) of ``kind`` ("sync", "h2d", "d2h_async", "mem"), in ``thread``
         (default: the calling thread)."""
         thread = threading.get_ident() if thread is None else thread
         with self._lock:
@@ -240,6 +243,13 @@ class FakeCuda:
         with self._lock:
             self._pinned[storage.data_ptr()] = weakref.ref(t)
         return t
+
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned host memory alive now (tensors made pinned and not yet freed). Freed
+        blocks are not cached here, unlike torch's pinned allocator: this is what is in use."""
+        with self._lock:
+            live = [r() for r in self._pinned.values()]
+        return sum(t.untyped_storage().nbytes() for t in live if t is not None)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         if isinstance(t, FakeCudaTensor) or t.numel() == 0:
@@ -448,6 +458,8 @@ def fake_cuda() -> Iterator[FakeCuda]:
         (cuda, "set_device", lambda device: None),
         (cuda, "get_device_properties", lambda device=None: _Props()),
         (cuda, "synchronize", lambda device=None: state.note("sync", "cuda.synchronize")),
+        (cuda, "empty_cache", lambda: state.note("mem", "empty_cache")),
+        (torch._C, "_host_emptyCache", lambda: state.note("mem", "host_empty_cache")),
         (cuda, "Stream", FakeStream),
         (cuda, "Event", FakeEvent),
         (cuda, "current_stream", lambda device=None: state.current_stream()),
@@ -455,7 +467,8 @@ def fake_cuda() -> Iterator[FakeCuda]:
         (cuda, "stream", state.stream),
         (torch, "Generator", _generator),
     ]
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    missing = object()  # torch._C._host_emptyCache is in CUDA builds only
+    saved = [(obj, attr, getattr(obj, attr, missing)) for obj, attr, _ in patches]
     run = threading.Thread.run
 
     @functools.wraps(run)
@@ -472,7 +485,10 @@ def fake_cuda() -> Iterator[FakeCuda]:
     finally:
         threading.Thread.run = run  # type: ignore[method-assign]
         for obj, attr, value in saved:
-            setattr(obj, attr, value)
+            if value is missing:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, value)
         _STATE = prev_state
 
 

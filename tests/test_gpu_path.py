@@ -8,8 +8,10 @@ device elsewhere: the stand-in cannot carry autograd (see its docstring).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -140,9 +142,9 @@ BUDGETS = {
     "lookup, all hit": 1,
     "lookup_many, all hit": 2,  # one per table
     "apply_gradients, all hit": 3,  # finite check, unique, all-resident check
-    "lookup, misses": 13,  # boolean masks and small host copies while placing rows
-    "apply_gradients, misses": 10,
-    "begin_pass": 27,  # once per pass
+    "lookup, misses": 6,  # hit count, missed keys, victims (2), rows leaving HBM, index insert
+    "apply_gradients, misses": 8,
+    "begin_pass": 11,  # once per pass
 }
 
 
@@ -211,3 +213,130 @@ def test_background_gpu_work_is_ordered_with_the_callers_stream(fakecuda: FakeCu
     (stream,) = side
     assert stream is not fakecuda.default_stream and isinstance(stream, FakeStream)
     assert any(isinstance(e, FakeEvent) and e.recorded_on is user for e in stream.waited)  # and the other way
+
+
+# ---------------------------------------------------------------------- item 2: memory of the tiers
+def _array_bytes(tier: Any) -> int:
+    return sum(a.untyped_storage().nbytes() for a in tier.arrays())
+
+
+def test_warm_tier_is_exact_host_memory_not_pinned(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # Before: a CUDA cache's DDR tier was allocated with torch's pinned allocator, which rounds
+    # every block up to a power of two (up to 2x ddr_bytes locked), though nothing copies from it
+    # to the GPU directly (reads gather into pinned staging first). Now it is host memory of
+    # exactly its budget, as on a CPU cache, and only staging is pinned.
+    cache: EmbeddingCache = make_cache(hbm_rows=16, ddr_rows=100, device="cuda")
+    ddr = cache._tables["t"].ddr
+    assert ddr.capacity == 100 and ddr.pinned_reads
+    assert not any(fakecuda.is_pinned(a) for a in ddr.arrays())
+    assert _array_bytes(ddr) == sum(a.numel() * a.element_size() for a in ddr.arrays())
+    assert _array_bytes(ddr) <= ddr.capacity * ddr.row_bytes  # within the budget, nothing rounded
+    assert fakecuda.pinned_bytes() == 0
+    keys = torch.arange(300)
+    for start in range(0, 300, 50):  # DDR -> HBM -> DDR traffic, through pinned staging
+        cache.lookup("t", keys[start:start + 50])
+    cache.lookup("t", keys[:50])
+    assert fakecuda.pinned_bytes() == 0  # no staging block outlives its call
+
+
+def test_resize_frees_the_old_tiers_before_making_new_ones(fakecuda: FakeCuda, make_cache: Any,
+                                                           monkeypatch: Any) -> None:
+    # Before: create_table built the new tiers while the old ones were alive (HBM on the GPU,
+    # DDR pinned), and the dropped ones stayed in torch's caches. Now the kept rows wait in host
+    # memory, the old tiers are released, the caches emptied, then the new tiers are made.
+    import embcache.cache as cache_mod
+
+    cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=64, device="cuda")
+    keys = torch.arange(90)
+    cache.apply_gradients("t", keys, torch.ones(90, 8))
+    want = cache.lookup("t", keys).cpu()
+    t = cache._tables["t"]
+    old = [weakref.ref(a) for tier in (t.hbm, t.ddr) for a in tier.arrays()]
+    alive_when_made: list[int] = []
+    real = cache_mod.MemoryTier
+
+    def tracking(*args: Any, **kwargs: Any) -> Any:
+        alive_when_made.append(sum(r() is not None for r in old))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache_mod, "MemoryTier", tracking)
+    with fakecuda.count():
+        assert cache.create_table(adagrad("u"))
+    assert alive_when_made == [0, 0, 0, 0]  # t's two new tiers, u's two: every old array gone
+    assert {"empty_cache", "host_empty_cache"} <= set(fakecuda.counts("mem"))
+    assert fakecuda.pinned_bytes() == 0
+    assert t.hbm.capacity == 16 and t.ddr.capacity == 32
+    torch.testing.assert_close(cache.lookup("t", keys).cpu(), want, rtol=0, atol=0)
+
+
+def test_resize_that_cannot_allocate_loses_no_update(fakecuda: FakeCuda, make_cache: Any, monkeypatch: Any) -> None:
+    # The old tiers are gone before the new ones are made: if those fail (out of memory), the
+    # kept rows are written to the store and the table goes on with empty tiers.
+    import embcache.cache as cache_mod
+
+    cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=64, device="cuda")
+    keys = torch.arange(90)
+    cache.apply_gradients("t", keys, torch.ones(90, 8))
+    want = cache.lookup("t", keys).cpu()
+    real = cache_mod.MemoryTier
+
+    def oom(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(cache_mod, "MemoryTier", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.create_table(adagrad("u"))
+    monkeypatch.setattr(cache_mod, "MemoryTier", real)
+    assert cache._tables["t"].hbm.capacity == 0
+    torch.testing.assert_close(cache.lookup("t", keys).cpu(), want, rtol=0, atol=0)
+    assert cache.create_table(adagrad("u"))  # a later try goes through
+    torch.testing.assert_close(cache.lookup("t", keys).cpu(), want, rtol=0, atol=0)
+
+
+def test_close_releases_every_tier(fakecuda: FakeCuda, make_cache: Any) -> None:
+    cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=64, device="cuda")
+    cache.lookup("t", torch.arange(90))
+    t = cache._tables["t"]
+    cache.close()
+    assert t.hbm.capacity == 0 and t.ddr.capacity == 0 and _array_bytes(t.hbm) == _array_bytes(t.ddr) == 0
+    assert {"empty_cache", "host_empty_cache"} <= set(fakecuda.counts("mem"))
+    assert fakecuda.pinned_bytes() == 0
+
+
+# ---------------------------------------------------------------------- item 6: reproducible sums of duplicates
+def test_segment_sum_adds_each_keys_gradients_in_batch_order(fakecuda: FakeCuda) -> None:
+    # The CUDA update sums duplicate keys' gradients with a segment reduction (one thread per
+    # column of a key, in batch order) instead of index_add_, whose atomics on a GPU add in any
+    # order: the same bits as the CPU's sequential index_add_ into zeros. The stand-in runs
+    # torch's CPU kernels, so this shows the order of the additions, not a GPU's run-to-run bits.
+    from embcache.cache import _segment_sum
+
+    gen = torch.Generator().manual_seed(7)
+    keys = torch.cat([torch.zeros(300, dtype=torch.int64), torch.randint(0, 50, (700,), generator=gen)])
+    keys = keys[torch.randperm(1000, generator=gen)]
+    grads = torch.randn(1000, 16, generator=gen) * torch.logspace(-6, 6, 16)  # rounding shows in the order
+    grads[::7] = -0.0
+    ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    want = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse, grads)
+    got = _segment_sum(grads.cuda(), inverse.cuda(), counts.cuda())
+    assert is_fake_cuda(got)
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))  # bitwise, signs of zero too
+    shuffled = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse.flip(0), grads.flip(0))
+    assert not torch.equal(shuffled, want)  # another order gives other bits: the order is what is tested
+
+
+def test_cuda_update_of_duplicate_keys_matches_the_cpu_sum(fakecuda: FakeCuda, make_cache: Any) -> None:
+    cfg = TableConfig(name="t", dim=16, optimizer="adagrad", lr=0.1, seed=3)
+    cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=32, device="cuda", tables=[cfg])
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randint(0, 20, (500,), generator=gen)
+    grads = torch.randn(500, 16, generator=gen) * torch.logspace(-4, 4, 16)
+    ukeys, inverse = torch.unique(keys, return_inverse=True)
+    before = cache.lookup("t", ukeys).cpu()
+    params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
+                             weight_decay=cfg.weight_decay)
+    state = initial_state(cfg.optimizer, 16, ukeys.numel(), torch.device("cpu"), cfg.initial_accumulator_value)
+    gsum = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse, grads)
+    want, _ = torch_update(cfg.optimizer, params, before, state, gsum)
+    cache.apply_gradients("t", keys.cuda(), grads.cuda())
+    assert torch.equal(cache.lookup("t", ukeys).cpu(), want)
