@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embcache.client import Client, TLSMismatchError, UnavailableError
 from embcache.errors import StoreFullError
+from embcache.ring import ShardMap
 from embcache.rpc import codec, wire
 from embcache.rpc.errors import ERROR_TYPE_KEY, MAP_VERSION_KEY
 from embcache.rpc.v1 import embcache_pb2 as pb
@@ -95,12 +96,21 @@ def test_a_tls_mismatch_says_tls_at_once(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- overload isolation
+def _map_version(address: str) -> int:
+    """The shard map version the server holds (0: none; keyed calls must carry it)."""
+    with grpc.insecure_channel(address) as channel:
+        state = pb_grpc.EmbeddingCacheServiceStub(channel).GetShardMap(pb.GetShardMapRequest(), timeout=30)
+    return ShardMap.from_json(state.current).version if state.current else 0
+
+
 def _stalled_streams(address: str, count: int, release: threading.Event, table: str = "w",
-                     map_version: int = 1) -> tuple[grpc.Channel, list[grpc.Future]]:
+                     map_version: int | None = None) -> tuple[grpc.Channel, list[grpc.Future]]:
     """``count`` ApplyGradientsStream calls that each send one chunk, then stall until ``release`` is set.
 
-    They carry the shard map version a Client installed on the server (keyed calls need it).
+    They carry the shard map version the server holds (keyed calls need it).
     """
+    if map_version is None:
+        map_version = _map_version(address)
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.EmbeddingCacheServiceStub(channel)
     chunk = pb.ApplyGradientsRequest(tables=[pb.TableValues(
@@ -213,13 +223,15 @@ def test_a_stalled_stream_is_cut_after_the_idle_time_and_applies_nothing(tmp_pat
                                                                     values=codec.encode_tensor(np.ones((4, 4),
                                                                                                        np.float32)))])
 
+            version = _map_version(server.address)
+
             def stalled() -> Iterator[pb.ApplyGradientsRequest]:
                 yield chunk
                 release.wait(30)
 
             for i in range(8):
                 call = stub.ApplyGradientsStream.future(stalled(), timeout=0.4 if i % 2 else 30,
-                                                        metadata=((MAP_VERSION_KEY, "1"),))
+                                                        metadata=((MAP_VERSION_KEY, str(version)),))
                 if not i % 2:
                     time.sleep(0.3)
                     call.cancel()
