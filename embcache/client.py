@@ -106,6 +106,7 @@ from .rpc.errors import (
     error_from_name,
     error_from_rpc,
     not_applied,
+    trailer,
 )
 from .rpc.v1 import embcache_pb2 as pb
 from .rpc.v1 import embcache_pb2_grpc as pb_grpc
@@ -522,24 +523,14 @@ class _LeaseKeeper:
 
 def _migrating(err: grpc.RpcError) -> bool:
     """The server refused a write to rows a reshard is moving (not applied: resend after the migration)."""
-    return _error_name(err) == "MigratingError"
-
-
-def _error_name(err: grpc.RpcError) -> str:
-    for key, value in (err.trailing_metadata() if hasattr(err, "trailing_metadata") else None) or ():
-        if key == ERROR_TYPE_KEY:
-            return value.decode() if isinstance(value, bytes) else str(value)
-    return ""
+    return trailer(err, ERROR_TYPE_KEY) == "MigratingError"
 
 
 def _wrong_shard(outcome: Any) -> str:
-    """The server's shard map (JSON) when ``outcome`` is a WrongShardError refusal, else ""."""
-    if not isinstance(outcome, grpc.RpcError) or _error_name(outcome) != "WrongShardError":
+    """The server's shard map (JSON) when ``outcome`` is a WrongShardError refusal ("{}" if it sent none), else ""."""
+    if not isinstance(outcome, grpc.RpcError) or trailer(outcome, ERROR_TYPE_KEY) != "WrongShardError":
         return ""
-    for key, value in outcome.trailing_metadata() or ():
-        if key == SHARD_MAP_KEY:
-            return value.decode() if isinstance(value, bytes) else str(value)
-    return "{}"
+    return trailer(outcome, SHARD_MAP_KEY) or "{}"
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
@@ -893,7 +884,7 @@ class Client:
             if isinstance(o, grpc.RpcError):
                 if o.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED):
                     return  # a read-only token (it writes nothing), or a server older than shard maps
-                if _error_name(o) != "ConfigError":  # ConfigError: it holds another map (read below)
+                if trailer(o, ERROR_TYPE_KEY) != "ConfigError":  # ConfigError: it holds another map (read below)
                     raise error_from_rpc(o, shard.address) from None
                 o = self._fanout([(shard, "GetShardMap", pb.GetShardMapRequest())], idempotent=True,
                                  timeout=timeout)[0]
@@ -1743,20 +1734,20 @@ class Client:
         calls = [(s, method, make(s, sorted({*p, *asked}))) for s, p in zip(shards, sent, strict=True)]
         outcomes = self._fanout_outcomes(calls, idempotent, timeout=self._long_timeout)
         losses = []
-        best: dict[int, tuple[int, bool]] = {}  # an orphan incarnation: the highest durable sequence any shard knows
+        best: dict[int, int] = {}  # an orphan incarnation: the highest durable sequence any shard knows of it
         for (shard, _, _), pending, reply in zip(calls, sent, outcomes, strict=True):
             if isinstance(reply, grpc.RpcError):
                 continue
             answers = [(d.incarnation, d.durable_seq, d.known) for d in reply.durable]
             losses += self._receipts.settle(shard.name, shard.address, pending, answers)
             for inc, seq, known in answers:
-                if known and inc in asked and (inc not in best or seq > best[inc][0]):
-                    best[inc] = (seq, True)
+                if known and inc in asked:
+                    best[inc] = max(seq, best.get(inc, 0))
         failure = self._failure(calls, outcomes, idempotent)
         if failure is None:  # every shard answered: what none of them knows cannot be proven durable
             for name, (shard, pending) in orphans.items():
                 losses += self._receipts.settle(name, shard.address, pending,
-                                                [(inc, *best.get(inc, (0, False))) for inc in pending])
+                                                [(inc, best.get(inc, 0), inc in best) for inc in pending])
         if losses:
             raise loss_error(losses, method.lower(), failure)
         if failure is not None:

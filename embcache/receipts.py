@@ -100,11 +100,6 @@ class Receipts:
                     del held[inc]
         return losses
 
-    def clear(self, shard: str) -> None:
-        """Forget a shard's receipts (it left the client's shard list)."""
-        with self._lock:
-            self._held.pop(shard, None)
-
 
 def loss_error(losses: Sequence[Loss], what: str, also: BaseException | None = None) -> DataLossError:
     """The error a flush or checkpoint raises for ``losses`` (at least one); ``also``: another shard's failure."""

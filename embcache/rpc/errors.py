@@ -56,6 +56,7 @@ __all__ = [
     "error_from_rpc",
     "not_applied",
     "status_of",
+    "trailer",
 ]
 
 #: Trailing metadata key naming the embcache error type of a failed call.
@@ -266,7 +267,11 @@ def error_from_name(name: str, message: str, address: str = "") -> EmbcacheError
     return exc
 
 
+def trailer(err: grpc.RpcError, key: str) -> str:
+    """The value of trailing metadata ``key`` of a failed call ("" when absent)."""
+    return _metadata(err.trailing_metadata() if hasattr(err, "trailing_metadata") else None).get(key, "")
+
+
 def not_applied(err: grpc.RpcError) -> bool:
     """True when the server marked the failed call as refused before it had any effect (safe to resend)."""
-    meta = _metadata(err.trailing_metadata() if hasattr(err, "trailing_metadata") else None)
-    return meta.get(NOT_APPLIED_KEY) == "1"
+    return trailer(err, NOT_APPLIED_KEY) == "1"

@@ -77,7 +77,6 @@ class WriteLedger:
         self.incarnation = secrets.randbits(64) or 1
         self._sync = sync
         self._seq = 0
-        self._durable = 0
         self._records = self._load()
         self._records[self.incarnation] = {"durable_seq": _ALL if sync else 0, "started": time.time(),
                                            "clean": False}
@@ -104,7 +103,10 @@ class WriteLedger:
     def _save(self) -> None:
         with self._io:
             with self._lock:
-                keep = sorted(self._records.items(), key=lambda kv: kv[1]["started"])[-_KEEP:]
+                # the newest records, and always this process's own (adopted ones may be newer)
+                others = sorted((kv for kv in self._records.items() if kv[0] != self.incarnation),
+                                key=lambda kv: kv[1]["started"])[-(_KEEP - 1):]
+                keep = [*others, (self.incarnation, self._records[self.incarnation])]
                 self._records = dict(keep)
                 body = json.dumps({"incarnations": {str(k): v for k, v in keep}}, indent=1).encode()
             write_durably(self._path, body)
@@ -134,10 +136,10 @@ class WriteLedger:
     def durable(self, seq: int) -> None:
         """Record that every write acknowledged up to ``seq`` is durable (e.g. after a clean close)."""
         with self._lock:
-            if self._sync or seq <= self._durable:
+            own = self._records[self.incarnation]
+            if seq <= own["durable_seq"]:  # (under --sync it is every sequence already)
                 return
-            self._durable = seq
-            self._records[self.incarnation]["durable_seq"] = seq
+            own["durable_seq"] = seq
         self._save()
 
     def close(self) -> None:
@@ -178,20 +180,12 @@ class WriteLedger:
             self._save()
         return changed
 
-    @property
-    def sequence(self) -> int:
-        """The last sequence number acknowledged."""
-        with self._lock:
-            return self._seq
-
     def answer(self, incarnations: Iterable[int]) -> list[Durable]:
         """What is durable of each asked incarnation (the running one: what its last flush covered)."""
         out = []
         with self._lock:
             for inc in dict.fromkeys(int(i) for i in incarnations):
-                if inc == self.incarnation:
-                    out.append(Durable(inc, _ALL if self._sync else self._durable, True))
-                elif inc in self._records:
+                if inc in self._records:
                     out.append(Durable(inc, int(self._records[inc]["durable_seq"]), True))
                 else:
                     out.append(Durable(inc, 0, False))

@@ -709,10 +709,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             keys = _keys(request).numpy()
             freq = codec.decode_tensor(request.freq, "freq", InvalidRowsError, codec.FLOAT_DTYPES, 1,
                                        request.HasField("freq"))
-            cfg = self._cache.tables().get(request.table)
-            if cfg is None:
-                self._cache.row_bytes(request.table)  # UnknownTableError
-                raise AssertionError("unreachable")
+            self._cache.row_bytes(request.table)  # UnknownTableError for a table this server does not have
+            cfg = self._cache.tables()[request.table]
             width = store_record_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim))
             if len(request.records) != keys.shape[0] * width:
                 raise InvalidRowsError(f"ImportRows: {len(request.records)} record bytes for {keys.shape[0]} rows of "

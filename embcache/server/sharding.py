@@ -152,8 +152,6 @@ class ShardGate:
         Raises:
             WrongShardError: routed by another map version, or a key this shard does not own.
         """
-        if self.current is None and not version:
-            return
         self._check(version, keys)
 
     @contextmanager
