@@ -111,10 +111,10 @@ def serve_echo(port_file: str, workers: int) -> None:
     with open(port_file + ".tmp", "w") as f:
         json.dump({"port": port}, f)
     os.replace(port_file + ".tmp", port_file)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    while not stop.wait(0.2):  # short waits: a SIGTERM taken by a gRPC thread wakes no long wait
-        pass
+    stop: list[int] = []  # the handler takes no lock (an Event's set could deadlock with the main thread's wait)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))
+    while not stop:  # short sleeps: a SIGTERM taken by a gRPC thread wakes no long wait
+        time.sleep(0.2)
     server.stop(0)
 
 

@@ -125,7 +125,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -772,10 +771,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         s, args = load_settings(argv)
         logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        stop = threading.Event()
+        # The handler only appends to a list: it must take no lock. It runs on the main thread
+        # between two bytecodes, and setting a threading.Event there deadlocked when the signal
+        # came while the main thread's Event.wait held the Event's lock (seen: a second SIGTERM
+        # found the first handler blocked, and the server never stopped).
+        stop: list[int] = []
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:  # installed before serving: a signal during start-up still stops cleanly
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda signum, _frame: stop.append(signum))
         _die_with_parent()
         if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack to stderr
             faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -795,8 +798,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # to another thread (any of gRPC's or the store's may take a process-directed SIGTERM) does not
     # wake a main thread blocked in a long wait. With one wait of an hour, SIGTERM was answered only
     # when something else woke it (seen in tests: a server still up 60 s after SIGTERM).
-    while not stop.wait(_SIGNAL_POLL_SECONDS):
-        pass
+    while not stop:
+        time.sleep(_SIGNAL_POLL_SECONDS)
     t0 = time.perf_counter()
     print("embcache-server: shutting down (NOT_SERVING, draining calls, flushing)", flush=True)
     running.shutdown()
