@@ -18,7 +18,7 @@ from .hostmem import host_zeros
 from .index import make_index
 from .types import Tier
 
-__all__ = ["MemoryTier", "RowBatch", "release_cached_memory", "resident_row_bytes", "to_device", "to_host"]
+__all__ = ["MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory", "resident_row_bytes", "to_device", "to_host"]
 
 # Per-row bookkeeping besides weights and state: freq (8), last (8), key (8), occupied and
 # dirty (1 + 1), pins (4), the free-slot stack (8), the fused update's slot map (4) and the
@@ -335,7 +335,7 @@ class MemoryTier:
         self._n_free = self.capacity
 
     # -- eviction ------------------------------------------------------------------------------
-    def lowest(self, k: int, scores_of: _ScoreOf, sample: int, exclude: torch.Tensor | None = None,
+    def lowest(self, k: int, scores_of: ScoreOf, sample: int, exclude: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` (or fewer) evictable resident rows with the lowest scores, ascending.
 
@@ -387,7 +387,7 @@ class MemoryTier:
         return cand.index_select(0, pos.index_select(0, order)), vals
 
 
-class _ScoreOf(Protocol):
+class ScoreOf(Protocol):
     """The scoring callback: policy scores (float64) of the rows at ``slots``."""
 
     def __call__(self, slots: torch.Tensor) -> torch.Tensor: ...

@@ -244,7 +244,7 @@ def test_resize_frees_the_old_tiers_before_making_new_ones(fakecuda: FakeCuda, m
     # Before: create_table built the new tiers while the old ones were alive (HBM on the GPU,
     # DDR pinned), and the dropped ones stayed in torch's caches. Now the kept rows wait in host
     # memory, the old tiers are released, the caches emptied, then the new tiers are made.
-    import embcache.cache as cache_mod
+    import embcache.engine.table as cache_mod
 
     cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=64, device="cuda")
     keys = torch.arange(90)
@@ -272,7 +272,7 @@ def test_resize_frees_the_old_tiers_before_making_new_ones(fakecuda: FakeCuda, m
 def test_resize_that_cannot_allocate_loses_no_update(fakecuda: FakeCuda, make_cache: Any, monkeypatch: Any) -> None:
     # The old tiers are gone before the new ones are made: if those fail (out of memory), the
     # kept rows are written to the store and the table goes on with empty tiers.
-    import embcache.cache as cache_mod
+    import embcache.engine.table as cache_mod
 
     cache: EmbeddingCache = make_cache(hbm_rows=32, ddr_rows=64, device="cuda")
     keys = torch.arange(90)
@@ -309,7 +309,7 @@ def test_segment_sum_adds_each_keys_gradients_in_batch_order(fakecuda: FakeCuda)
     # column of a key, in batch order) instead of index_add_, whose atomics on a GPU add in any
     # order: the same bits as the CPU's sequential index_add_ into zeros. The stand-in runs
     # torch's CPU kernels, so this shows the order of the additions, not a GPU's run-to-run bits.
-    from embcache.cache import _segment_sum
+    from embcache.engine.update import segment_sum
 
     gen = torch.Generator().manual_seed(7)
     keys = torch.cat([torch.zeros(300, dtype=torch.int64), torch.randint(0, 50, (700,), generator=gen)])
@@ -318,7 +318,7 @@ def test_segment_sum_adds_each_keys_gradients_in_batch_order(fakecuda: FakeCuda)
     grads[::7] = -0.0
     ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
     want = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse, grads)
-    got = _segment_sum(grads.cuda(), inverse.cuda(), counts.cuda())
+    got = segment_sum(grads.cuda(), inverse.cuda(), counts.cuda())
     assert is_fake_cuda(got)
     assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))  # bitwise, signs of zero too
     shuffled = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse.flip(0), grads.flip(0))

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-import embcache.cache as cache_mod
+import embcache.engine.passes as passes_mod
+import embcache.hostmem as hostmem
+from embcache.engine.rows import RecordCodec
 from embcache import CacheConfig, EmbeddingCache, TableConfig
 from embcache.errors import PassStateError, StoreError, UnknownTableError
 from embcache.keyset import Keyset
@@ -78,18 +80,18 @@ class PausedWorker:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.read_done = threading.Event()
         self.resume = threading.Event()
-        original = EmbeddingCache._decode_or_create
+        original = RecordCodec.decode_or_create
         state = {"first": True}
 
-        def paused(t: Any, keys: torch.Tensor, found: np.ndarray, records: np.ndarray) -> Any:
-            out = original(t, keys, found, records)
+        def paused(codec: RecordCodec, keys: torch.Tensor, found: np.ndarray, records: np.ndarray) -> Any:
+            out = original(codec, keys, found, records)
             if threading.current_thread().name.startswith("embcache-prefetch") and state["first"]:
                 state["first"] = False
                 self.read_done.set()
                 assert self.resume.wait(30)
             return out
 
-        monkeypatch.setattr(EmbeddingCache, "_decode_or_create", staticmethod(paused))
+        monkeypatch.setattr(RecordCodec, "decode_or_create", paused)
 
     def wait_read(self) -> None:
         assert self.read_done.wait(30)
@@ -174,7 +176,7 @@ def test_lookup_during_a_running_prefetch_returns_the_right_rows(
         make_cache: Any, ref_cache: EmbeddingCache, monkeypatch: pytest.MonkeyPatch) -> None:
     c = make_cache(hbm_rows=8, ddr_rows=16)
     train([c, ref_cache], torch.arange(200), 0)
-    monkeypatch.setattr(cache_mod, "_STAGE_CHUNK", 4)  # many chunks, interleaved with lookups
+    monkeypatch.setattr(passes_mod, "STAGE_CHUNK", 4)  # many chunks, interleaved with lookups
     pause = PausedWorker(monkeypatch)
     fut = c.prefetch({"t": torch.arange(150, 200)})
     pause.wait_read()
@@ -192,7 +194,7 @@ def test_lookup_during_a_running_prefetch_returns_the_right_rows(
 def test_cancel_stops_staging_and_releases_pins(make_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     c = make_cache(hbm_rows=8, ddr_rows=64)
     c.lookup("t", torch.arange(0, 4))
-    monkeypatch.setattr(cache_mod, "_STAGE_CHUNK", 8)
+    monkeypatch.setattr(passes_mod, "STAGE_CHUNK", 8)
     pause = PausedWorker(monkeypatch)
     fut = c.prefetch({"t": torch.arange(0, 60)})
     pause.wait_read()
@@ -201,7 +203,7 @@ def test_cancel_stops_staging_and_releases_pins(make_cache: Any, monkeypatch: py
     pause.go()
     with pytest.raises(CancelledError):
         fut.result(timeout=30)
-    c._stop_worker()  # wait until the worker is idle
+    c._passes.stop()  # wait until the worker is idle
     assert pinned(c) == 0
     assert c.stats()["t"]["prefetch"]["staged_rows"] == 0
     c.begin_pass({"t": torch.arange(0, 60)})  # a cancelled prefetch does not stop the pass
@@ -493,7 +495,7 @@ def test_close_during_prefetch_does_not_hang_or_lose_updates(make_cache: Any, tm
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     c = make_cache(hbm_rows=4, ddr_rows=4)
     c.apply_gradients("t", torch.arange(100), torch.ones(100, DIM))
-    monkeypatch.setattr(cache_mod, "_STAGE_CHUNK", 2)
+    monkeypatch.setattr(passes_mod, "STAGE_CHUNK", 2)
     fut = c.prefetch({"t": torch.arange(100)})
     c.close()
     assert fut.done()
@@ -516,12 +518,12 @@ def test_background_jobs_return_freed_memory_at_most_once_per_interval(monkeypat
         if len(trims) == 2:
             served.set()
 
-    monkeypatch.setattr(cache_mod, "_malloc_trim", trim)
-    monkeypatch.setattr(cache_mod, "_TRIM_INTERVAL", 0.3)
-    monkeypatch.setattr(cache_mod, "_TRIM_STATE", {"last": float("-inf"), "timer": None})
+    monkeypatch.setattr(hostmem, "_malloc_trim", trim)
+    monkeypatch.setattr(hostmem, "_TRIM_INTERVAL", 0.3)
+    monkeypatch.setattr(hostmem, "_TRIM_STATE", {"last": float("-inf"), "timer": None})
     for _ in range(5):
-        cache_mod._trim_heap()
+        hostmem.trim_heap()
     assert len(trims) == 1  # the first at once, the other four folded into one deferred trim
     assert served.wait(5.0)
     assert len(trims) == 2
-    assert cache_mod._TRIM_STATE["timer"] is None
+    assert hostmem._TRIM_STATE["timer"] is None

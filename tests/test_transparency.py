@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-import embcache.cache as cache_module
+import embcache.engine.table as cache_module
 from embcache import CacheConfig, EmbeddingCache, TableConfig
 from embcache.init import init_rows
 from embcache.optim import OptimizerParams, apply_update, initial_state, state_width
@@ -181,9 +181,9 @@ def make_machine(store: str, optimizer: str, device: str = "cpu") -> type[RuleBa
             assert not hbm & set(self.cache.resident_keys("t", "ddr").tolist())
             assert s["pass"]["active"] == self.in_pass
             if not self.in_pass and not self.leases:  # released leases and ended passes leave no pins behind
-                for f in list(self.cache._live):
+                for f in self.cache._passes.unfinished():
                     f.result()  # a prefetch still running holds pins until the next begin_pass adopts it
-                if not self.cache._prefetches:
+                if not self.cache._passes.pending():
                     s = self.cache.stats()["t"]
                     assert s["hbm"]["pinned_rows"] == 0 and s["ddr"]["pinned_rows"] == 0
 
