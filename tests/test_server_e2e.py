@@ -543,7 +543,8 @@ def _check_rows(client: Client, table: str, expected: dict[int, float]) -> None:
 def test_kill9_keeps_what_was_flushed_and_sync_keeps_every_ack(tmp_path: Path) -> None:
     server = LocalServer(tmp_path / "store", args=SMALL, workdir=tmp_path / "run", start_timeout=START_TIMEOUT).start()
     try:
-        client = Client([server.address], timeout=5)  # short: a writer gives up soon after the crash
+        # short deadlines: a writer gives up soon after the crash, even with a flush in flight
+        client = Client([server.address], timeout=5, long_timeout=5)
         checker = Client([server.address], timeout=120)
         cfg = TableConfig(name="crash", dim=4, seed=9)
         assert client.create_table(cfg)  # created by a client: must come back after the crash
