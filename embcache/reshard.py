@@ -32,7 +32,6 @@ it the remaining commits are sent. A reshard to another list is refused while on
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -209,9 +208,13 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
     else:
         t_freeze = time.monotonic()
     # 4. commit, on every server at once: each switches maps first and then deletes the rows that left it
-    # (a client that meets a shard not yet switched is refused with the older map and tries again)
+    # (a client that meets a shard not yet switched is refused with the older map and tries again); the
+    # shards that stay get the ledgers of those that leave, merged (not imported above: the server
+    # package imports the whole of embcache, which imports this module)
+    from .server.ledger import merge_records
+
     with ThreadPoolExecutor(max_workers=len(everyone)) as pool:
-        handed = _merge_ledgers(list(ledgers.values()))
+        handed = merge_records(ledgers.values())
         replies = list(pool.map(lambda name: call(everyone[name], "CommitShardMap", pb.CommitShardMapRequest(
             version=target.version, ledger=handed if name in target.shards else "")), list(everyone)))
     report.deleted_rows = sum(int(r.deleted_rows) for r in replies)
@@ -220,18 +223,6 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
     client._refresh_tables()
     report.total_seconds = time.monotonic() - t_start
     return report
-
-
-def _merge_ledgers(ledgers: Sequence[str]) -> str:
-    """The write ledgers of the shards that leave, as one (per incarnation, the higher durable sequence)."""
-    merged: dict[str, dict[str, Any]] = {}
-    for text in ledgers:
-        if not text:
-            continue
-        for inc, rec in json.loads(text)["incarnations"].items():
-            if inc not in merged or rec["durable_seq"] > merged[inc]["durable_seq"]:
-                merged[inc] = rec
-    return json.dumps({"incarnations": merged}) if merged else ""
 
 
 def _progress(show: bool, version: int, what: str) -> Any:
