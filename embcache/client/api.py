@@ -361,9 +361,21 @@ class Client:
             UnknownTableError, InvalidKeysError, InvalidRowsError, BatchTooLargeError, StoreError,
             UnavailableError (may or may not be applied), DeadlineExceededError.
         """
-        batch = self._rows_batch({table: (keys, rows)}, "rows", InvalidRowsError)
-        if not all_finite(batch[table][1]):
-            raise InvalidRowsError("rows contain NaN or inf; nothing was assigned")
+        self.assign_many({table: (keys, rows)})
+
+    def assign_many(self, updates: Mapping[str, tuple[Any, Any]]) -> None:
+        """Assign rows of several tables in one round trip per shard: ``{table: (keys [n], rows [n, dim])}``.
+
+        Every table's input is checked before anything is sent; each shard applies its part of
+        every table as one request. Never resent after a failure that may have reached a server.
+
+        Raises:
+            The errors of :meth:`assign`.
+        """
+        batch = self._rows_batch(updates, "rows", InvalidRowsError)
+        for _, rows in batch.values():
+            if not all_finite(rows):
+                raise InvalidRowsError("rows contain NaN or inf; nothing was assigned")
         routing.write(self._transport, self._receipts, "Assign", batch, pb.AssignRequest)
 
     # ------------------------------------------------------------------ passes
