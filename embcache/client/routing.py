@@ -44,6 +44,11 @@ Done: TypeAlias = Callable[["list[Call]", "list[list[Part]]", "list[Reply]"], No
 _KEYSET_ROW_BYTES = 16  # a keyset key on the wire: the key and its count (int64 each)
 
 
+def _row_bytes(dim: int) -> int:
+    """A row on the wire: its int64 key and ``dim`` float32 values."""
+    return 4 * dim + 8
+
+
 @dataclass
 class Part:
     """One table's slice in one request: keys (and values) at ``positions`` of the caller's batch."""
@@ -196,7 +201,7 @@ def lookup(transport: Transport, batch: Mapping[str, np.ndarray], dims: Mapping[
         for reply, chunk, (shard, _, _) in zip(replies, layouts, calls, strict=True):
             fill(reply, chunk, shard, batch, dims, filled)
 
-    send(transport, {t: (k, None) for t, k in batch.items()}, {t: 4 * d + 8 for t, d in dims.items()}, "Lookup",
+    send(transport, {t: (k, None) for t, k in batch.items()}, {t: _row_bytes(d) for t, d in dims.items()}, "Lookup",
          idempotent=True, encode=lambda chunk: wire.encode_lookup_request([(p.table, p.keys) for p in chunk]),
          stream=None, done=copy)
     return {t: filled[t] if t in filled else torch.empty(0, dims[t], dtype=torch.float32) for t in batch}
@@ -243,7 +248,7 @@ def write(transport: Transport, receipts: Receipts, method: str, batch: Mapping[
         assert p.values is not None  # a write's parts carry its values
         return p.values
 
-    send(transport, batch, {t: 4 * v.shape[1] + 8 for t, (_, v) in batch.items()}, method, idempotent=False,
+    send(transport, batch, {t: _row_bytes(v.shape[1]) for t, (_, v) in batch.items()}, method, idempotent=False,
          encode=lambda chunk: wire.encode_values_request([(p.table, p.keys, values(p)) for p in chunk]),
          stream=lambda chunk: request_type(tables=[
              pb.TableValues(table=p.table, keys=codec.encode_tensor(p.keys), values=codec.encode_tensor(values(p)))

@@ -250,8 +250,7 @@ class Transport:
             The embcache error of a failed unary call.
         """
         try:
-            return getattr(shard.stub, method)(request, timeout=max(deadline - time.monotonic(), 0.001),
-                                               metadata=self.auth, wait_for_ready=self.wait)
+            return getattr(shard.stub, method)(request, **self._per_call(deadline, routed=False))
         except grpc.RpcError as err:
             raise error_from_rpc(err, shard.address) from None
 
@@ -351,25 +350,28 @@ class Transport:
         rpc = shard.raw[method] if isinstance(request, bytes) else getattr(shard.stub, method)
         return rpc, iter(request) if isinstance(request, list) else request
 
+    def _per_call(self, deadline: float, routed: bool = True) -> dict[str, Any]:
+        """A call's keyword arguments: what is left of ``deadline``, its metadata (``routed``: with the shard map
+        version it is routed by), and whether it waits for a shard that is down."""
+        return {"timeout": max(deadline - time.monotonic(), 0.001), "metadata": self.metadata if routed else self.auth,
+                "wait_for_ready": self.wait}
+
     def _start(self, shard: Shard, method: str, request: Request, deadline: float) -> grpc.Future:
         rpc, body = self._rpc(shard, method, request)
-        return rpc.future(body, timeout=max(deadline - time.monotonic(), 0.001), metadata=self.metadata,
-                          wait_for_ready=self.wait)
+        return rpc.future(body, **self._per_call(deadline))
 
     def _call(self, shard: Shard, method: str, request: Request, deadline: float) -> Outcome:
         """A blocking call; returns the reply or the RpcError it failed with."""
         rpc, body = self._rpc(shard, method, request)
         try:
-            return rpc(body, timeout=max(deadline - time.monotonic(), 0.001), metadata=self.metadata,
-                       wait_for_ready=self.wait)
+            return rpc(body, **self._per_call(deadline))
         except grpc.RpcError as err:
             return err
 
     def stream(self, shard: Shard, method: str, request: Request, deadline: float) -> ReplyStream:
         """Start a server-streaming call (a list of requests: a bidirectional stream of them); its message iterator."""
-        body = iter(request) if isinstance(request, list) else request
-        return getattr(shard.stub, method)(body, timeout=max(deadline - time.monotonic(), 0.001),
-                                           metadata=self.metadata, wait_for_ready=self.wait)
+        rpc, body = self._rpc(shard, method, request)
+        return rpc(body, **self._per_call(deadline))
 
     def sleep_backoff(self, attempt: int, deadline: float) -> bool:
         """Sleep the backoff of retry ``attempt`` (jittered); False, not sleeping, when it would pass ``deadline``."""
