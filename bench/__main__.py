@@ -166,8 +166,9 @@ def result_path(b: Bench, quick: bool, results: Path = RESULTS) -> Path | None:
 
 # The code only the gRPC server and its client run: a change there cannot move the results of a
 # benchmark that starts neither (every benchmark but ``server``).
-SERVED_CODE = ("embcache/server", "embcache/rpc", "embcache/client.py", "embcache/receipts.py", "embcache/reshard.py",
-               "embcache/ring.py")
+# (the client was one file, embcache/client.py, before it became the package embcache/client/)
+SERVED_CODE = ("embcache/server", "embcache/rpc", "embcache/client", "embcache/client.py", "embcache/receipts.py",
+               "embcache/reshard.py", "embcache/ring.py")
 
 
 def code_paths(b: Bench) -> list[str]:

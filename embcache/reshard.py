@@ -32,15 +32,15 @@ it the remaining commits are sent. A reshard to another list is refused while on
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from .errors import ConfigError
 from .ring import ShardMap
@@ -48,9 +48,42 @@ from .rpc.errors import error_from_rpc
 from .rpc.v1 import embcache_pb2 as pb
 
 if TYPE_CHECKING:
-    from .client import Client, _Shard
+    from .client import Client
+    from .client.transport import Shard, Topology
+    from .config import TableConfig
 
-__all__ = ["ReshardReport", "add_arguments", "reshard", "run"]
+__all__ = ["FleetLink", "ReshardReport", "add_arguments", "reshard", "run"]
+
+
+class FleetLink(Protocol):
+    """What the coordinator needs of a client's connection to the fleet (its
+    :class:`~embcache.client.transport.Transport` is one)."""
+
+    @property
+    def topology(self) -> Topology:
+        """The shards the client routes to, and the map it routes by."""
+        ...
+
+    @property
+    def long_timeout(self) -> float:
+        """The deadline of the whole migration, seconds."""
+        ...
+
+    def reach(self, named: Mapping[str, str]) -> dict[str, Shard]:
+        """The shards of the current map and of ``named`` by name (new ones connected, closed with the client)."""
+        ...
+
+    def direct(self, shard: Shard, method: str, request: Message, deadline: float) -> Any:
+        """One call routed by no shard map (the token only); a unary call's error raised as an embcache error."""
+        ...
+
+    def adopt(self, shard_map: str | ShardMap) -> bool:
+        """Route by ``shard_map`` from now on if it is newer; True if adopted."""
+        ...
+
+    def refresh_tables(self, timeout: float | None = None) -> dict[str, TableConfig]:
+        """Fetch the tables (and limits) from the shards of the current map."""
+        ...
 
 
 @dataclass
@@ -116,20 +149,13 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
     """
     t_start = time.monotonic()
     named = _named(servers)
-    topo = client._topo
-    shards: dict[str, _Shard] = {s.name: s for s in topo.shards}
-    for name, address in named.items():  # a shard that stays is reached where this client reaches it
-        if name not in shards:
-            shards[name] = client._connect(name, address)
-            client._retired.append(shards[name])  # closed with the client (or adopted by the new map)
-    deadline = time.monotonic() + client._long_timeout
+    link: FleetLink = client._transport  # all the coordinator uses of the client
+    topo = link.topology
+    shards = link.reach(named)  # a shard that stays is reached where this client reaches it
+    deadline = time.monotonic() + link.long_timeout
 
-    def call(shard: _Shard, method: str, request: Any) -> Any:
-        try:
-            return getattr(shard.stub, method)(request, timeout=max(deadline - time.monotonic(), 0.001),
-                                               metadata=client._auth, wait_for_ready=client._wait)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, shard.address) from None
+    def call(shard: Shard, method: str, request: Message) -> Any:
+        return link.direct(shard, method, request, deadline)
 
     states = {name: call(s, "GetShardMap", pb.GetShardMapRequest()) for name, s in shards.items()}
     currents = [ShardMap.from_json(st.current) for st in states.values() if st.current]
@@ -149,7 +175,7 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
         current = max(currents, key=lambda m: m.version) if currents else ShardMap(
             max(topo.map.version, 1), dict(topo.map.shards), topo.map.vnodes)
         if set(current.shards) == set(named):
-            client._adopt(current)
+            link.adopt(current)
             return ReshardReport(current.version, named, total_seconds=time.monotonic() - t_start)
         target = ShardMap(current.version + 1, named, current.vnodes)
         missing = [n for n in current.shards if n not in shards]
@@ -189,7 +215,7 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
             try:
                 for source in current.shards:
                     for table in sorted(tables):
-                        moved = _copy(client, everyone, source, table, target.version, batch_rows, deadline, bar,
+                        moved = _copy(link, everyone, source, table, target.version, batch_rows, deadline, bar,
                                       written_only)
                         report.moved_rows[table] = report.moved_rows.get(table, 0) + (0 if written_only else moved)
                         total += moved
@@ -209,32 +235,34 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
     else:
         t_freeze = time.monotonic()
     # 4. commit, on every server at once: each switches maps first and then deletes the rows that left it
-    # (a client that meets a shard not yet switched is refused with the older map and tries again)
+    # (a client that meets a shard not yet switched is refused with the older map and tries again); the
+    # shards that stay get the ledgers of those that leave, merged (not imported above: the server
+    # package imports the whole of embcache, which imports this module)
+    from .server.ledger import merge_records
+
     with ThreadPoolExecutor(max_workers=len(everyone)) as pool:
-        handed = _merge_ledgers(list(ledgers.values()))
+        handed = merge_records(ledgers.values())
         replies = list(pool.map(lambda name: call(everyone[name], "CommitShardMap", pb.CommitShardMapRequest(
             version=target.version, ledger=handed if name in target.shards else "")), list(everyone)))
     report.deleted_rows = sum(int(r.deleted_rows) for r in replies)
     report.pause_seconds = time.monotonic() - t_freeze
-    client._adopt(target)
-    client._refresh_tables()
+    link.adopt(target)
+    link.refresh_tables()
     report.total_seconds = time.monotonic() - t_start
     return report
 
 
-def _merge_ledgers(ledgers: Sequence[str]) -> str:
-    """The write ledgers of the shards that leave, as one (per incarnation, the higher durable sequence)."""
-    merged: dict[str, dict[str, Any]] = {}
-    for text in ledgers:
-        if not text:
-            continue
-        for inc, rec in json.loads(text)["incarnations"].items():
-            if inc not in merged or rec["durable_seq"] > merged[inc]["durable_seq"]:
-                merged[inc] = rec
-    return json.dumps({"incarnations": merged}) if merged else ""
+class _Bar(Protocol):
+    """A progress bar (tqdm's shape)."""
+
+    def update(self, n: int) -> object:
+        ...
+
+    def close(self) -> object:
+        ...
 
 
-def _progress(show: bool, version: int, what: str) -> Any:
+def _progress(show: bool, version: int, what: str) -> _Bar | None:
     if not show:
         return None
     from tqdm import tqdm
@@ -242,27 +270,20 @@ def _progress(show: bool, version: int, what: str) -> Any:
     return tqdm(desc=f"reshard to map v{version}: {what}", unit=" rows", unit_scale=True, leave=False)
 
 
-def _copy(client: Client, shards: Mapping[str, _Shard], source: str, table: str, version: int, batch_rows: int,
-          deadline: float, bar: Any, written_only: bool = False) -> int:
+def _copy(link: FleetLink, shards: Mapping[str, Shard], source: str, table: str, version: int, batch_rows: int,
+          deadline: float, bar: _Bar | None, written_only: bool = False) -> int:
     """Stream one source's leaving rows of ``table`` (``written_only``: those written since the begin) to
     their new owners; rows copied."""
     src = shards[source]
-    stream = src.stub.ExportRows(pb.ExportRowsRequest(table=table, pending_version=version, batch_rows=batch_rows,
-                                                      written_only=written_only),
-                                 timeout=max(deadline - time.monotonic(), 0.001), metadata=client._auth,
-                                 wait_for_ready=client._wait)
+    stream = link.direct(src, "ExportRows", pb.ExportRowsRequest(
+        table=table, pending_version=version, batch_rows=batch_rows, written_only=written_only), deadline)
     moved = 0
     try:
         for msg in stream:
             n = int(np.prod(list(msg.keys.shape))) if msg.keys.shape else 0
             dst = shards[msg.to]
-            try:
-                dst.stub.ImportRows(pb.ImportRowsRequest(table=table, pending_version=version, keys=msg.keys,
-                                                         records=msg.records, freq=msg.freq),
-                                    timeout=max(deadline - time.monotonic(), 0.001), metadata=client._auth,
-                                    wait_for_ready=client._wait)
-            except grpc.RpcError as err:
-                raise error_from_rpc(err, dst.address) from None
+            link.direct(dst, "ImportRows", pb.ImportRowsRequest(table=table, pending_version=version, keys=msg.keys,
+                                                                records=msg.records, freq=msg.freq), deadline)
             moved += n
             if bar is not None:
                 bar.update(n)

@@ -252,6 +252,54 @@ def test_many_tables_cost_one_request_per_shard(three_shards: list[LocalServer])
         assert per_shard == [2 * int((shard == i).sum()) for i in range(3)]
 
 
+def test_assign_many_checks_every_table_first_and_sends_one_request_per_shard(three_shards: list[LocalServer],
+                                                                             tmp_path: Path) -> None:
+    """assign_many: bad input in any table sends nothing; good input is one Assign per shard carrying every
+    table, and gives the rows (and the reset optimizer state) of the embedded cache's assign."""
+    tables = _tables((8, "adagrad"), (4, "sgd"))
+    names = [t.name for t in tables]
+    ref = EmbeddingCache(CacheConfig(path=str(tmp_path / "ref"), hbm_bytes=10_000, ddr_bytes=20_000, device="cpu"),
+                         tables)
+    rng = np.random.default_rng(7)
+    keys = {t.name: _keys(rng, 300) for t in tables}
+    rows = {t.name: torch.from_numpy(rng.standard_normal((300, t.dim)).astype(np.float32)) for t in tables}
+    try:
+        with Client([s.address for s in three_shards]) as c:
+            for cfg in tables:
+                c.create_table(cfg)
+            c.apply_gradients_many({n: (keys[n], torch.ones(300, rows[n].shape[1])) for n in names})
+            before = c.lookup_many(keys)
+            sent = [_rpc_count(s, "Assign") for s in three_shards]
+            good = {n: (keys[n], rows[n]) for n in names}
+            for bad, error, match in [
+                ({**good, names[1]: (keys[names[1]], torch.full((300, 4), float("nan")))}, InvalidRowsError, "NaN"),
+                ({**good, names[1]: (keys[names[1]], torch.ones(300, 5))}, InvalidRowsError, r"shape \[300, 4\]"),
+                ({**good, names[1]: (np.array([1.5]), torch.ones(1, 4))}, InvalidKeysError, "integer"),
+                ({**good, "nope": (keys[names[0]], rows[names[0]])}, UnknownTableError, "nope"),
+            ]:
+                with pytest.raises(error, match=match):
+                    c.assign_many(bad)
+            assert [_rpc_count(s, "Assign") for s in three_shards] == sent
+            unchanged = c.lookup_many(keys)
+            assert all(torch.equal(unchanged[n], before[n]) for n in names)
+            c.assign_many(good)
+            assert [_rpc_count(s, "Assign") - b for s, b in zip(three_shards, sent, strict=True)] == [1, 1, 1]
+            for n in names:
+                ref.assign(n, torch.from_numpy(keys[n]), rows[n])
+            got = c.lookup_many(keys)
+            for n in names:  # duplicates: the last one wins, as embedded
+                assert torch.equal(got[n], ref.lookup(n, torch.from_numpy(keys[n]))), n
+            # the optimizer state was reset too: the same gradients move both alike
+            grads = {n: torch.full((300, rows[n].shape[1]), 0.5) for n in names}
+            c.apply_gradients_many({n: (keys[n], grads[n]) for n in names})
+            ref.apply_gradients_many({n: (torch.from_numpy(keys[n]), grads[n]) for n in names})
+            got = c.lookup_many(keys)
+            for n in names:
+                assert torch.equal(got[n], ref.lookup(n, torch.from_numpy(keys[n]))), n
+    finally:
+        ref.close()
+
+
 # ---------------------------------------------------------------------- passes, tables, stats, files
 def test_pass_protocol_through_the_client(client: Client) -> None:
     (cfg,) = _tables((8, "sgd"))

@@ -31,12 +31,12 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..stores.base import write_durably
 
-__all__ = ["LEDGER_FILE", "Durable", "WriteLedger"]
+__all__ = ["LEDGER_FILE", "Durable", "WriteLedger", "merge_records", "raised"]
 
 log = logging.getLogger("embcache.server")
 
@@ -44,6 +44,19 @@ log = logging.getLogger("embcache.server")
 LEDGER_FILE = "server-incarnations.json"
 _KEEP = 256  # incarnations remembered (a client that slept through 256 restarts hears "unknown": loss)
 _ALL = (1 << 64) - 1  # durable_seq of a --sync incarnation: every acknowledged write
+
+
+_Record = dict[str, float | int | bool]  # {"durable_seq", "started", "clean"} of one incarnation
+
+
+def raised(mine: Mapping[int, _Record], theirs: Mapping[int, _Record]) -> dict[int, _Record]:
+    """The records of ``theirs`` that ``mine`` lacks or holds with a lower durable sequence.
+
+    The one rule for taking another ledger's records: a record never goes down, the higher
+    durable sequence of the two wins (:meth:`WriteLedger.adopt`, :func:`merge_records`).
+    """
+    return {inc: rec for inc, rec in theirs.items()
+            if inc not in mine or rec["durable_seq"] > mine[inc]["durable_seq"]}
 
 
 @dataclass(frozen=True)
@@ -83,12 +96,12 @@ class WriteLedger:
         self._save()
 
     @staticmethod
-    def _parse(raw: bytes | str) -> dict[int, dict[str, float | int | bool]]:
+    def _parse(raw: bytes | str) -> dict[int, _Record]:
         data = json.loads(raw)
         return {int(k): {"durable_seq": int(v["durable_seq"]), "started": float(v.get("started", 0.0)),
                          "clean": bool(v.get("clean", False))} for k, v in data["incarnations"].items()}
 
-    def _load(self) -> dict[int, dict[str, float | int | bool]]:
+    def _load(self) -> dict[int, _Record]:
         try:
             with open(self._path, "rb") as f:
                 return self._parse(f.read())
@@ -168,14 +181,11 @@ class WriteLedger:
             theirs = self._parse(records)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed ledger records: {exc}") from None
-        changed = 0
         with self._lock:
-            for inc, rec in theirs.items():
-                mine = self._records.get(inc)
-                if inc == self.incarnation or (mine is not None and mine["durable_seq"] >= rec["durable_seq"]):
-                    continue
-                self._records[inc] = rec
-                changed += 1
+            new = raised(self._records, theirs)
+            new.pop(self.incarnation, None)  # this process's own record is kept by this process alone
+            self._records.update(new)
+            changed = len(new)
         if changed:
             self._save()
         return changed
@@ -190,3 +200,16 @@ class WriteLedger:
                 else:
                     out.append(Durable(inc, 0, False))
         return out
+
+
+def merge_records(ledgers: Iterable[str]) -> str:
+    """Several ledgers' records (:meth:`WriteLedger.records`; "" for none) as one, by the rule of :func:`raised`.
+
+    A reshard hands the merged records of the shards that leave to the shards that stay ("" when
+    there are none).
+    """
+    merged: dict[int, _Record] = {}
+    for text in ledgers:
+        if text:
+            merged.update(raised(merged, WriteLedger._parse(text)))
+    return json.dumps({"incarnations": {str(k): v for k, v in merged.items()}}) if merged else ""
