@@ -38,6 +38,10 @@ fail with that reason. ``big`` (a table about twice the RAM, ~45 GB of disk, ~30
 ``DIR`` instead of ``bench/results/`` (for trial runs), and leaves README.md alone; so does
 ``--no-readme``. Only a full run or ``--report-only`` into ``bench/results/`` rewrites the part
 of README.md's performance section between its markers.
+
+To compare two revisions of ``embcache/`` instead (a refactoring that must not slow anything
+down), ``python -m bench.ab --base REV`` runs chosen benchmarks alternately against a worktree of
+``REV`` and this checkout and flags the cases slower beyond the noise: see ``bench/ab.py``.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import torch
 
 import embcache.engine.passes as passes_mod
 import embcache.hostmem as hostmem
-from embcache.engine.rows import RecordCodec
 from embcache import CacheConfig, EmbeddingCache, TableConfig
+from embcache.engine.rows import RecordCodec
 from embcache.errors import PassStateError, StoreError, UnknownTableError
 from embcache.keyset import Keyset
 from embcache.prefetch import LookAhead, PrefetchFuture
