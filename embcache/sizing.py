@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from . import sim
 from .config import TableConfig
+from .engine.rows import record_bytes
 from .optim import state_width
 from .tier import resident_row_bytes
 
@@ -136,8 +137,8 @@ class SizingReport:
 
 
 def store_record_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
-    """Bytes of one row's record in the store: its weights in ``dtype`` and its float32 optimizer state."""
-    return dim * torch.empty(0, dtype=dtype).element_size() + 4 * state_width
+    """Bytes of one row's record in the store (defined once: :func:`embcache.engine.rows.record_bytes`)."""
+    return record_bytes(dim, dtype, state_width)
 
 
 def size_trace(trace: np.ndarray, row_bytes: int, hbm_hit: float, memory_hit: float, points: int = 16,

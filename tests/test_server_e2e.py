@@ -822,3 +822,16 @@ def test_settings_are_typed_take_units_and_environment_overrides(tmp_path: Path,
                              text=True, timeout=120)
         assert out.returncode == 2 and "Traceback" not in out.stderr and key in out.stderr, out.stderr
     assert main is not None
+
+
+def test_table_flags_are_typed_like_the_config_file() -> None:
+    # --table values were converted by a guess at the field's type: a wrong one raised a bare
+    # ValueError (a traceback), and flags of other types stayed strings
+    from embcache.server.main import _parse_table
+
+    cfg = _parse_table("name=user,dim=64,optimizer=adagrad,lr=0.05,seed=7")
+    assert (cfg.name, cfg.dim, cfg.optimizer, cfg.lr, cfg.seed) == ("user", 64, "adagrad", 0.05, 7)
+    with pytest.raises(ConfigError, match="dim"):
+        _parse_table("name=user,dim=sixty")
+    with pytest.raises(ConfigError, match="lr"):
+        _parse_table("name=user,dim=8,lr=fast")

@@ -413,8 +413,8 @@ def _parse_table(spec: str) -> TableConfig:
         key = key.strip()
         if not sep or key not in types:
             raise ConfigError(f"--table {spec!r}: expected key=value pairs with keys from {sorted(types)}")
-        t = str(types[key])
-        kwargs[key] = int(value) if t.startswith("int") else float(value) if t.startswith("float") else value
+        kwargs[key] = _typed(f"--table {spec!r}: {key}", value.strip(), str(types[key]), from_text=True,
+                             field=key)
     return TableConfig(**kwargs)
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..cache import EmbeddingCache
+from ..engine.rows import record_bytes
 from ..errors import (
     BatchTooLargeError,
     CacheClosedError,
@@ -54,7 +55,6 @@ from ..rpc.errors import (
 )
 from ..rpc.v1 import embcache_pb2 as pb
 from ..rpc.v1 import embcache_pb2_grpc as pb_grpc
-from ..sizing import store_record_bytes
 from .leases import LeaseTable
 from .ledger import WriteLedger
 from .overload import StreamWatchdog, on_pool
@@ -497,17 +497,11 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             self._assign_checked(updates)
 
     def _assign_checked(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if len(updates) > 1:  # the library has no assign_many: check every table before changing any
-            tables = self._cache.tables()
-            for name, (k, r) in updates.items():
-                self._cache.row_bytes(name)  # UnknownTableError
-                if tuple(r.shape) != (k.numel(), tables[name].dim):
-                    raise InvalidRowsError(f"rows of table {name!r} must have shape [{k.numel()}, "
-                                           f"{tables[name].dim}], got {list(r.shape)}; nothing was assigned")
-                if not bool(torch.isfinite(r).all()):
-                    raise InvalidRowsError(f"rows of table {name!r} contain NaN or inf; nothing was assigned")
-        for name, (k, r) in updates.items():
+        if len(updates) == 1:
+            (name, (k, r)), = updates.items()
             self._cache.assign(name, k, r)
+        elif updates:
+            self._cache.assign_many(updates)  # every table checked before any changes
 
     def ApplyGradients(self, request: bytes, context: grpc.ServicerContext) -> pb.ApplyGradientsResponse:
         """Apply each table's optimizer; duplicate keys' gradients are summed."""
@@ -711,7 +705,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
                                        request.HasField("freq"))
             self._cache.row_bytes(request.table)  # UnknownTableError for a table this server does not have
             cfg = self._cache.tables()[request.table]
-            width = store_record_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim))
+            width = record_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim))
             if len(request.records) != keys.shape[0] * width:
                 raise InvalidRowsError(f"ImportRows: {len(request.records)} record bytes for {keys.shape[0]} rows of "
                                        f"{width} bytes; nothing was imported")
