@@ -87,18 +87,19 @@ def commit(t: TableEngine, plan: Plan, read: StagedRead | None = None) -> RowBat
         raise RuntimeError("rows still being read cannot be dirty")  # a bug in the planner's caller
     dv = t.ddr.read(plan.ddr_victims)
     d_out = plan.demoted.select(plan.demoted_out)
-    # rows still being read are clean: they need no write
-    leaving = [dv, d_out] if read is not None else [dv, d_out, plan.staged.select(plan.staged_out)]
-    write_leaving(t, RowBatch.cat(leaving))
-    if read is not None:
+    if read is None:
+        s_out = plan.staged.select(plan.staged_out)
+        write_leaving(t, RowBatch.cat([dv, d_out, s_out]))
+    else:  # rows still being read are clean: they need no write
+        write_leaving(t, RowBatch.cat([dv, d_out]))
         t.complete(read)  # the staged rows' values: the read ran while the caller planned
+        s_out = plan.staged.select(plan.staged_out)
     staged = plan.staged
     p_rows = t.ddr.read(plan.up)
     t.hbm.remove(plan.hbm_victims)
     t.ddr.remove(torch.cat([plan.up, plan.ddr_victims]))
     t.hbm.insert(RowBatch.cat([p_rows, staged.select(plan.staged_up)]))
-    t.ddr.insert(RowBatch.cat([plan.demoted, staged]).select(plan.into_ddr))
-    s_out = staged.select(plan.staged_out)
+    t.ddr.insert(_take(plan.demoted, staged, plan.into_ddr))
     forget_leaving(t, torch.cat([dv.keys, d_out.keys, s_out.keys]), torch.cat([dv.freq, d_out.freq, s_out.freq]))
     st = t.stats
     st.hbm.promotions += plan.up.numel() + plan.staged_up.numel()
@@ -108,6 +109,20 @@ def commit(t: TableEngine, plan: Plan, read: StagedRead | None = None) -> RowBat
     st.ddr.demotions += len(dv)
     st.ddr.write_backs += int(dv.dirty.sum())
     return s_out
+
+
+def _take(demoted: RowBatch, staged: RowBatch, index: torch.Tensor) -> RowBatch:
+    """Rows of ``demoted + staged`` at ``index``, in that order, copying only the rows taken."""
+    n = len(demoted)
+    from_d = index < n
+    rows = RowBatch.cat([demoted.select(index[from_d]), staged.select(index[~from_d] - n)])
+    k = int(from_d.sum())
+    if bool(from_d[:k].all()):  # the demoted rows come first (plan_access): already in order
+        return rows
+    order = torch.cat([torch.nonzero(from_d).flatten(), torch.nonzero(~from_d).flatten()])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return rows.select(inverse)
 
 
 def admit(t: TableEngine, tier: MemoryTier, cand_scores: torch.Tensor, extra_free: int,
