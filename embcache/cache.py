@@ -273,14 +273,18 @@ class EmbeddingCache:
             self._table(name)
         return ks
 
-    def _locked(self, t: TableEngine, keys: torch.Tensor, values: torch.Tensor,
-                fn: Callable[[TableEngine, torch.Tensor, torch.Tensor], None]) -> None:
-        """Run ``fn(t, keys, values)`` under the table's lock (nothing for an empty batch)."""
-        if keys.numel() == 0:
-            return
-        with t.lock:
-            t.check_open()  # closed while waiting for the lock?
-            fn(t, keys, values)
+    def _write(self, updates: Mapping[str, tuple[Any, Any]],
+               check: Callable[[str, Any, Any], tuple[TableEngine, torch.Tensor, torch.Tensor]],
+               fn: Callable[[TableEngine, torch.Tensor, torch.Tensor], None]) -> None:
+        """Check every table's ``(keys, values)``, then run ``fn(t, keys, values)`` per table under
+        its lock (nothing for an empty batch): one table's bad input changes no table."""
+        checked = [check(name, k, v) for name, (k, v) in updates.items()]
+        for t, keys, values in checked:
+            if keys.numel() == 0:
+                continue
+            with t.lock:
+                t.check_open()  # closed while waiting for the lock?
+                fn(t, keys, values)
 
     # ------------------------------------------------------------------ lookup and update
     def lookup(self, table: str, keys: Any, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -335,7 +339,7 @@ class EmbeddingCache:
             NonFiniteGradientError (NaN/inf, unless ``reject_nonfinite=False``), BatchTooLargeError,
             CacheClosedError, StoreError (nothing changed).
         """
-        self._locked(*self._checked_gradients(table, keys, grads), update.apply_gradients)
+        self._write({table: (keys, grads)}, self._checked_gradients, update.apply_gradients)
 
     def apply_gradients_many(self, updates: Mapping[str, tuple[Any, torch.Tensor]]) -> None:
         """Apply gradients to several tables: ``{table: (keys [n], grads [n, dim])}``.
@@ -345,9 +349,7 @@ class EmbeddingCache:
         Raises:
             The errors of :meth:`apply_gradients`.
         """
-        checked = [self._checked_gradients(name, k, g) for name, (k, g) in updates.items()]
-        for t, k, g in checked:
-            self._locked(t, k, g, update.apply_gradients)
+        self._write(updates, self._checked_gradients, update.apply_gradients)
 
     def assign(self, table: str, keys: Any, rows: torch.Tensor) -> None:
         """Overwrite the rows of ``keys`` and reset their optimizer state; the last duplicate wins.
@@ -361,7 +363,7 @@ class EmbeddingCache:
             UnknownTableError, InvalidKeysError, InvalidRowsError, BatchTooLargeError,
             CacheClosedError, StoreError (nothing changed).
         """
-        self._locked(*self._checked_rows(table, keys, rows), update.assign)
+        self._write({table: (keys, rows)}, self._checked_rows, update.assign)
 
     def assign_many(self, updates: Mapping[str, tuple[Any, torch.Tensor]]) -> None:
         """Assign rows of several tables: ``{table: (keys [n], rows [n, dim])}``.
@@ -371,9 +373,7 @@ class EmbeddingCache:
         Raises:
             The errors of :meth:`assign`.
         """
-        checked = [self._checked_rows(name, k, r) for name, (k, r) in updates.items()]
-        for t, k, r in checked:
-            self._locked(t, k, r, update.assign)
+        self._write(updates, self._checked_rows, update.assign)
 
     # ------------------------------------------------------------------ passes and prefetch
     def prefetch(self, keysets: Mapping[str, Any]) -> PrefetchFuture:

@@ -171,6 +171,26 @@ def test_assign_overwrites_and_last_duplicate_wins(make_cache: Any) -> None:
     assert_close(got, rows[[2, 1, 3]], rtol=0, atol=0)
 
 
+def test_assign_many_checks_every_table_before_changing_any(make_cache: Any) -> None:
+    tables = [TableConfig(name="a", dim=4, optimizer="adam", seed=1), TableConfig(name="b", dim=8, seed=2)]
+    cache = make_cache(hbm_rows=2, ddr_rows=2, tables=tables)
+    ka, kb = torch.arange(10), torch.arange(10)
+    before = {"a": cache.lookup("a", ka).cpu(), "b": cache.lookup("b", kb).cpu()}
+    good_a, good_b = torch.randn(10, 4), torch.randn(10, 8)
+    nan_b = good_b.clone()
+    nan_b[7, 1] = float("nan")
+    for bad, error in (({"a": (ka, good_a), "b": (kb, nan_b)}, InvalidRowsError),
+                       ({"a": (ka, good_a), "b": (kb, torch.zeros(10, 4))}, InvalidRowsError),
+                       ({"a": (ka, good_a), "nope": (kb, good_b)}, UnknownTableError)):
+        with pytest.raises(error):
+            cache.assign_many(bad)
+        for name, k in (("a", ka), ("b", kb)):
+            assert_close(cache.lookup(name, k), before[name], rtol=0, atol=0)  # table "a" untouched too
+    cache.assign_many({"a": (ka, good_a), "b": (kb, good_b)})
+    assert_close(cache.lookup("a", ka), good_a, rtol=0, atol=0)
+    assert_close(cache.lookup("b", kb), good_b, rtol=0, atol=0)
+
+
 def test_multiple_tables_of_different_dims(make_cache: Any) -> None:
     tables = [TableConfig(name="a", dim=4, optimizer="adam", seed=1),
               TableConfig(name="b", dim=16, optimizer="rowwise_adagrad", seed=2, dtype="float16")]
