@@ -31,6 +31,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -447,7 +448,7 @@ class EmbeddingCache:
         return self._passes.end()
 
     # ------------------------------------------------------------------ persistence
-    def _all_tables(self) -> Any:
+    def _all_tables(self) -> AbstractContextManager[None]:
         return all_locked(self._global_lock, self._tables)
 
     def flush(self) -> None:

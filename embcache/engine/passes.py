@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CacheClosedError, PassStateError
+from ..errors import PassStateError
 from ..hostmem import trim_heap
 from ..keyset import Keyset
 from ..prefetch import PrefetchFuture
@@ -159,8 +159,7 @@ class Passes:
         t0 = time.perf_counter()
         order = ks.hottest_first()
         with t.lock:
-            if t.closed:
-                raise CacheClosedError("the cache was closed during a prefetch")
+            t.check_open()  # closed before the job started
             resident = t.resident(order)
             if fut.stopping:
                 return {"staged_rows": 0, "leased_rows": 0, "seconds": 0.0}
