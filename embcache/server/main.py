@@ -127,7 +127,7 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,19 +141,14 @@ from ..cache import EmbeddingCache
 from ..config import CacheConfig, TableConfig
 from ..errors import ConfigError
 from ..rpc.v1 import embcache_pb2 as pb
+from .auth import TokenAuth, read_tokens, roles_text
+from .durability import Durability
+from .handlers import SERVICE_NAME, add_to_server
 from .leases import MIN_TTL_SECONDS, LeaseTable
 from .ledger import WriteLedger
 from .overload import HEALTH_THREADS, StreamWatchdog, add_health
 from .procmetrics import register_process_metrics
-from .servicer import (
-    READ_METHODS,
-    ROLES,
-    SERVICE_NAME,
-    Durability,
-    EmbeddingCacheServicer,
-    add_to_server,
-    roles_text,
-)
+from .servicer import EmbeddingCacheServicer
 from .sharding import ShardGate
 
 __all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
@@ -163,7 +158,6 @@ log = logging.getLogger("embcache.server")
 _STOP_SLACK_SECONDS = 10.0
 _SIGNAL_POLL_SECONDS = 0.2  # how soon the main thread notices a signal another thread received
 
-_METHOD_PREFIX = f"/{SERVICE_NAME}/"
 #: Environment variable holding the pid of the process that started this server (set by
 #: embcache.server.local.LocalServer): on Linux the server gets SIGTERM when that thread dies.
 DIE_WITH_PARENT_ENV = "EMBCACHE_DIE_WITH_PARENT"
@@ -515,70 +509,6 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
     return s, args
 
 
-# ---------------------------------------------------------------------- auth
-def _read_tokens(paths: Sequence[str]) -> set[str]:
-    tokens: set[str] = set()
-    for path in paths:
-        try:
-            with open(path) as f:
-                tokens.update(line.strip() for line in f if line.strip())
-        except OSError as exc:
-            raise ConfigError(f"cannot read token file {path!r}: {exc}") from None
-    return tokens
-
-
-def _matches(token: str, tokens: set[str]) -> bool:
-    import hmac
-    found = False
-    for t in tokens:  # compare with every token, in constant time each
-        found |= hmac.compare_digest(token.encode(), t.encode())
-    return found
-
-
-class _TokenAuth(grpc.ServerInterceptor):
-    """Checks ``authorization: Bearer <token>`` on cache calls; health and reflection stay open."""
-
-    def __init__(self, rw: set[str], ro: set[str], observe: Callable[[str, str, float], None]) -> None:
-        self._rw, self._ro, self._observe = rw, ro, observe
-
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        t0 = time.perf_counter()  # a refused call's latency counts from here: the token check is its work
-        method = details.method
-        if not method.startswith(_METHOD_PREFIX):
-            return continuation(details)
-        name = method[len(_METHOD_PREFIX):]
-        header = dict(details.invocation_metadata or ()).get("authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if token and _matches(token, self._rw):
-            return continuation(details)
-        if token and _matches(token, self._ro):
-            if ROLES.get(name) != "write":  # (a name not in the service: gRPC answers UNIMPLEMENTED)
-                return continuation(details)
-            return self._refuse(continuation(details), name, grpc.StatusCode.PERMISSION_DENIED,
-                                f"{name} needs a read-write token; this token may only call "
-                                f"{', '.join(sorted(READ_METHODS))}",
-                                t0)
-        why = "a wrong bearer token" if token else "no bearer token (metadata 'authorization: Bearer <token>')"
-        return self._refuse(continuation(details), name, grpc.StatusCode.UNAUTHENTICATED,
-                            f"{name} refused: {why}", t0)
-
-    def _refuse(self, handler: Any, name: str, code: grpc.StatusCode, message: str, t0: float) -> Any:
-        """A handler that records the time since ``t0`` (the call's arrival) and aborts with ``code``."""
-        def abort(request: Any, context: grpc.ServicerContext) -> Any:
-            self._observe(name, code.name, time.perf_counter() - t0)
-            context.abort(code, message)
-
-        if handler is None:
-            return None
-        kind = (handler.request_streaming, handler.response_streaming)
-        make = {(False, False): grpc.unary_unary_rpc_method_handler,
-                (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler}
-        return make[kind](abort, request_deserializer=handler.request_deserializer,
-                          response_serializer=handler.response_serializer)
-
-
 # ---------------------------------------------------------------------- the server
 @dataclass
 class RunningServer:
@@ -668,8 +598,8 @@ def start_server(s: ServerSettings) -> RunningServer:
         import torch
 
         torch.set_num_threads(s.torch_threads)
-    rw = _read_tokens(s.auth_token_files)
-    ro = _read_tokens(s.auth_readonly_token_files)
+    rw = read_tokens(s.auth_token_files)
+    ro = read_tokens(s.auth_readonly_token_files)
     env_token = os.environ.get("EMBCACHE_AUTH_TOKEN", "").strip()
     if env_token:
         rw.add(env_token)
@@ -707,7 +637,7 @@ def start_server(s: ServerSettings) -> RunningServer:
         options = [("grpc.max_send_message_length", s.max_message_bytes),
                    ("grpc.max_receive_message_length", s.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # two servers must never share a port silently
-        interceptors = [_TokenAuth(rw, ro, observe)] if rw or ro else []
+        interceptors = [TokenAuth(rw, ro, observe)] if rw or ro else []
         server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embcache-rpc"),
                              options=options, interceptors=interceptors)
         add_to_server(servicer, server, stream_pool)
