@@ -1,10 +1,9 @@
 """The gRPC servicer: a thin adapter from ``embcache.rpc.v1`` to :class:`~embcache.EmbeddingCache`.
 
 Each method decodes its request (:mod:`embcache.server.decoding`, over :mod:`embcache.rpc.codec`),
-calls the library and encodes the
-reply; every rule about keys, rows, tables and passes lives in the library. Typed errors become
-status codes through the one table in :mod:`embcache.rpc.errors`, with the type's name in the
-trailing metadata. Latency is recorded per method and status code.
+calls the library and encodes the reply; every rule about keys, rows, tables and passes lives in
+the library. Typed errors become status codes through the one table in :mod:`embcache.rpc.errors`,
+with the type's name in the trailing metadata. Latency is recorded per method and status code.
 
 Concurrency: gRPC runs each call on a worker thread; the cache serializes operations per table
 (one lock each) and releases the GIL in its heavy parts, so calls on different tables, and the
