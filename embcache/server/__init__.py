@@ -1,6 +1,8 @@
 """The embcache parameter server: ``embcache-server`` serves an EmbeddingCache over gRPC.
 
-See :mod:`embcache.server.main` for flags, the config file and the durability modes, and
+See :mod:`embcache.server.main` for flags, the config file and the durability modes (its
+docstring is ``embcache-server --help``), :mod:`embcache.server.settings` for how the settings
+are read and checked, :mod:`embcache.server.serve` for starting and stopping a server, and
 :mod:`embcache.server.servicer` for the thin adapter between the protocol and the library.
 """
 

@@ -126,284 +126,34 @@ import os
 import signal
 import sys
 import time
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection
-
 from .. import __version__
-from ..cache import EmbeddingCache
-from ..config import CacheConfig, TableConfig
+from ..config import TableConfig
 from ..errors import ConfigError
-from ..rpc.v1 import embcache_pb2 as pb
-from .leases import MIN_TTL_SECONDS, LeaseTable
-from .ledger import WriteLedger
-from .overload import HEALTH_THREADS, StreamWatchdog, add_health
-from .procmetrics import register_process_metrics
-from .servicer import (
-    READ_METHODS,
-    ROLES,
-    SERVICE_NAME,
-    Durability,
-    EmbeddingCacheServicer,
-    add_to_server,
-    roles_text,
+from .auth import roles_text
+from .serve import RunningServer, start_server
+from .settings import (
+    ServerSettings,
+    apply_environment,
+    check_settings,
+    parse_size,
+    read_settings_file,
+    typed_value,
 )
-from .sharding import ShardGate
 
-__all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "load_settings", "main", "start_server"]
+__all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "build_parser", "load_settings", "main",
+           "parse_size", "start_server"]
 
-log = logging.getLogger("embcache.server")
-# How long shutdown waits, past the grace period, for gRPC to report every call ended.
-_STOP_SLACK_SECONDS = 10.0
 _SIGNAL_POLL_SECONDS = 0.2  # how soon the main thread notices a signal another thread received
 
-_METHOD_PREFIX = f"/{SERVICE_NAME}/"
 #: Environment variable holding the pid of the process that started this server (set by
 #: embcache.server.local.LocalServer): on Linux the server gets SIGTERM when that thread dies.
 DIE_WITH_PARENT_ENV = "EMBCACHE_DIE_WITH_PARENT"
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-@dataclass
-class ServerSettings:
-    """Everything the server needs; built from the config file and flags by :func:`load_settings`.
-
-    Args:
-        listen: ``HOST:PORT`` to bind (port 0: a free port).
-        cache: keyword arguments of :class:`~embcache.CacheConfig` (``path``, ``hbm_bytes``, ...).
-        tables: tables to open or create at start.
-        metrics_port: Prometheus HTTP port (-1: none, 0: a free port).
-        metrics_host: address of the metrics server (default 127.0.0.1).
-        max_message_bytes: largest message in either direction (default 64 MiB).
-        max_lease_seconds: the longest time-to-live a batch lease is granted (default 600): a
-            client that stops renewing its leases (crashed, cut off) pins rows at most this long.
-        workers: threads serving unary calls (default 4 per core, at least 8).
-        stream_workers: threads serving the calls that stream, either way (default half of
-            ``workers``, at least 2): streams never take the unary calls' threads, and wait in a
-            queue (holding no thread) when these are all busy. Health checks have 2 of their own.
-        stream_idle_seconds: a client stream that sends no message for this long is cut
-            (cancelled, nothing of it applied; default 30).
-        torch_threads: torch's intra-op threads (0: torch's default, one per core). Concurrent
-            calls already use the cores; 1 avoids threads waiting on each other on a busy machine.
-        checkpoint_root: Checkpoint writes only under here (default ``<path>/checkpoints``).
-        flush_every_updates, flush_interval_seconds, sync: durability (see the module docs).
-        grace_seconds: how long shutdown waits for calls in flight.
-        drain_seconds: how long shutdown stays NOT_SERVING, refusing new calls, before it stops
-            listening (time for load balancers and clients to notice; default 0).
-        tls_cert, tls_key, tls_client_ca: PEM files (TLS; with a client CA, mutual TLS).
-        auth_token_files, auth_readonly_token_files: files of bearer tokens, one per line.
-        port_file: a JSON file written once serving: ``{"port", "metrics_port", "pid"}``.
-    """
-
-    listen: str = "127.0.0.1:50051"
-    cache: dict[str, Any] = field(default_factory=dict)
-    tables: list[TableConfig] = field(default_factory=list)
-    metrics_port: int = 9400
-    metrics_host: str = "127.0.0.1"
-    max_message_bytes: int = 64 << 20
-    max_lease_seconds: float = 600.0
-    workers: int = 0
-    stream_workers: int = 0
-    stream_idle_seconds: float = 30.0
-    torch_threads: int = 0
-    checkpoint_root: str | None = None
-    flush_every_updates: int = 0
-    flush_interval_seconds: float = 0.0
-    sync: bool = False
-    grace_seconds: float = 30.0
-    drain_seconds: float = 0.0
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    auth_token_files: list[str] = field(default_factory=list)
-    auth_readonly_token_files: list[str] = field(default_factory=list)
-    port_file: str | None = None
-
-    def cache_config(self) -> CacheConfig:
-        """The CacheConfig to open (``path`` defaults to ./embcache-data).
-
-        Raises:
-            ConfigError: an unknown or invalid field.
-        """
-        names = {f.name for f in dataclasses.fields(CacheConfig)}
-        unknown = set(self.cache) - names
-        if unknown:
-            raise ConfigError(f"unknown [cache] fields {sorted(unknown)}; allowed: {sorted(names)}")
-        return CacheConfig(**self.cache)
-
-
-# ---------------------------------------------------------------------- config file and flags
-def _read_config(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path!r}: {exc}") from None
-    try:
-        if path.endswith(".json"):
-            data = json.loads(raw)
-        else:
-            if sys.version_info >= (3, 11):
-                import tomllib
-            else:  # pragma: no cover - Python 3.10
-                import tomli as tomllib
-            data = tomllib.loads(raw.decode())
-    except ValueError as exc:
-        raise ConfigError(f"config file {path!r} is not valid {'JSON' if path.endswith('.json') else 'TOML'}: "
-                          f"{exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must hold a table/object at the top level")
-    return data
-
-
-_TOP_KEYS = {"listen", "metrics_port", "metrics_host", "max_message_bytes", "max_lease_seconds", "workers",
-             "stream_workers", "stream_idle_seconds", "torch_threads",
-             "checkpoint_root",
-             "grace_seconds", "drain_seconds", "port_file", "cache", "tables", "durability", "tls", "auth"}
-_SECTION_KEYS = {
-    "durability": {"flush_every_updates", "flush_interval_seconds", "sync"},
-    "tls": {"cert", "key", "client_ca"},
-    "auth": {"token_file", "readonly_token_file"},
-}
-
-
-def _settings_from_dict(data: Mapping[str, Any]) -> ServerSettings:
-    unknown = set(data) - _TOP_KEYS
-    if unknown:
-        raise ConfigError(f"unknown config keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
-    for section, keys in _SECTION_KEYS.items():
-        extra = set(data.get(section, {})) - keys
-        if extra:
-            raise ConfigError(f"unknown [{section}] keys {sorted(extra)}; allowed: {sorted(keys)}")
-    s = ServerSettings()
-    for key in ("listen", "metrics_port", "metrics_host", "max_message_bytes", "max_lease_seconds", "workers",
-                "stream_workers", "stream_idle_seconds", "torch_threads",
-                "checkpoint_root",
-                "grace_seconds", "drain_seconds", "port_file"):
-        if key in data:
-            setattr(s, key, data[key])
-    s.cache = dict(data.get("cache", {}))
-    s.tables = [TableConfig.from_dict(t) for t in data.get("tables", [])]
-    for key, value in data.get("durability", {}).items():
-        setattr(s, key, value)
-    tls = data.get("tls", {})
-    s.tls_cert, s.tls_key, s.tls_client_ca = tls.get("cert"), tls.get("key"), tls.get("client_ca")
-    auth = data.get("auth", {})
-    s.auth_token_files = [auth["token_file"]] if "token_file" in auth else []
-    s.auth_readonly_token_files = [auth["readonly_token_file"]] if "readonly_token_file" in auth else []
-    return s
-
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
-#: Settings (and CacheConfig fields) that are sizes in bytes: they also take units ("4GiB", "512 MB").
-_SIZES = {"max_message_bytes", "hbm_bytes", "ddr_bytes", "block_cache_bytes"}
-
-
-def parse_size(value: Any, what: str) -> int:
-    """Bytes from an integer or a string with a unit (``"4GiB"``, ``"512MB"``, ``"1.5 GiB"``; KiB/MiB/GiB/TiB
-    are powers of 1024, KB/MB/GB/TB of 1000).
-
-    Raises:
-        ConfigError: not a size.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        text = value.strip().replace("_", "").replace(" ", "")
-        number = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-        unit = text[len(number):].lower()
-        try:
-            if unit in _UNITS and number:
-                return int(float(number) * _UNITS[unit])
-        except ValueError:
-            pass
-    raise ConfigError(f"{what}={value!r}: expected a size in bytes, e.g. 1073741824, \"1GiB\" or \"512MB\"")
-
-
-def _typed(what: str, value: Any, annotation: str, from_text: bool = False, field: str = "") -> Any:
-    """``value`` checked against a field's annotation; ``from_text``: an environment variable's text, converted.
-
-    Raises:
-        ConfigError: the value has another type, saying which was expected.
-    """
-    kinds = [k.strip() for k in str(annotation).split("|")]
-    if value is None and "None" in kinds:
-        return None
-    base = kinds[0]
-    if (field or what.rsplit(".", 1)[-1]) in _SIZES:
-        return parse_size(value, what)
-    text = from_text and isinstance(value, str)
-    try:
-        if base == "bool":
-            if isinstance(value, bool):
-                return value
-            if text and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return value.lower() in ("1", "true", "yes", "on")
-        elif base == "int":
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            if text and value.strip().lstrip("-").isdigit():
-                return int(value)
-        elif base == "float":
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            if text:
-                return float(value)
-        elif base == "str":
-            if isinstance(value, str):
-                return value
-        else:
-            return value
-    except ValueError:
-        pass
-    raise ConfigError(f"{what}={value!r}: expected {' or '.join(kinds)}, got {type(value).__name__}")
-
-
-def _check_types(s: ServerSettings) -> None:
-    """Every setting, and every [cache] field, of the type its dataclass declares (sizes may carry units).
-
-    Raises:
-        ConfigError: a wrongly typed value, named with its key.
-    """
-    for f in dataclasses.fields(ServerSettings):
-        if f.name in ("cache", "tables"):
-            continue
-        value = getattr(s, f.name)
-        if str(f.type).startswith("list"):
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{f.name}={value!r}: expected a list of file names")
-            continue
-        setattr(s, f.name, _typed(f.name, value, str(f.type)))
-    cache_types = {f.name: str(f.type) for f in dataclasses.fields(CacheConfig)}
-    for key, value in list(s.cache.items()):
-        if key in cache_types:
-            s.cache[key] = _typed(f"cache.{key}", value, cache_types[key])
-
-
-def _from_environment(s: ServerSettings, environ: Mapping[str, str]) -> None:
-    """``EMBCACHE_<SETTING>`` (e.g. EMBCACHE_METRICS_PORT) and ``EMBCACHE_<CACHE FIELD>`` (e.g. EMBCACHE_HBM_BYTES,
-    EMBCACHE_PATH) override the config file; flags override them.
-
-    Raises:
-        ConfigError: a variable's text is not of its setting's type.
-    """
-    for f in dataclasses.fields(ServerSettings):
-        key = f"EMBCACHE_{f.name.upper()}"
-        if key in environ and f.name not in ("cache", "tables") and not str(f.type).startswith("list"):
-            setattr(s, f.name, _typed(key, environ[key], str(f.type), from_text=True, field=f.name))
-    for f in dataclasses.fields(CacheConfig):
-        key = f"EMBCACHE_{f.name.upper()}"
-        if key in environ and not hasattr(s, f.name):
-            s.cache[f.name] = _typed(key, environ[key], str(f.type), from_text=True, field=f.name)
-
-
+# ---------------------------------------------------------------------- flags
 def _parse_table(spec: str) -> TableConfig:
     """``name=user,dim=64,optimizer=adagrad`` -> TableConfig (values typed by the dataclass fields)."""
     types = {f.name: f.type for f in dataclasses.fields(TableConfig)}
@@ -413,8 +163,8 @@ def _parse_table(spec: str) -> TableConfig:
         key = key.strip()
         if not sep or key not in types:
             raise ConfigError(f"--table {spec!r}: expected key=value pairs with keys from {sorted(types)}")
-        kwargs[key] = _typed(f"--table {spec!r}: {key}", value.strip(), str(types[key]), from_text=True,
-                             field=key)
+        kwargs[key] = typed_value(f"--table {spec!r}: {key}", value.strip(), str(types[key]), from_text=True,
+                                  field=key)
     return TableConfig(**kwargs)
 
 
@@ -466,14 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, argparse.Namespace]:
-    """Settings from ``--config`` (if any) overridden by flags.
+    """Settings from ``--config`` (if any), overridden by ``EMBCACHE_*`` variables, then by flags; typed and checked.
 
     Raises:
-        ConfigError: the config file or a flag is invalid.
+        ConfigError: the config file, a variable or a flag is invalid.
     """
     args = build_parser().parse_args(argv)
-    s = _settings_from_dict(_read_config(args.config)) if args.config else ServerSettings()
-    _from_environment(s, os.environ)
+    s = read_settings_file(args.config) if args.config else ServerSettings()
+    apply_environment(s, os.environ)
     overrides = {"listen": args.listen, "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
                  "max_message_bytes": args.max_message_bytes, "max_lease_seconds": args.max_lease_seconds,
                  "workers": args.workers, "stream_workers": args.stream_workers,
@@ -499,245 +249,11 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
         t = _parse_table(spec)
         given[t.name] = t
     s.tables = list(given.values())
-    _check_types(s)
-    if bool(s.tls_cert) != bool(s.tls_key):
-        raise ConfigError("TLS needs both --tls-cert and --tls-key")
-    if s.tls_client_ca and not s.tls_cert:
-        raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-    if s.max_message_bytes < 1 << 16:
-        raise ConfigError(f"max_message_bytes={s.max_message_bytes}: must be at least 65536")
-    if not 0 < float(s.stream_idle_seconds) < float("inf"):
-        raise ConfigError(f"stream_idle_seconds={s.stream_idle_seconds}: must be a number of seconds > 0")
-    if s.workers < 0 or s.stream_workers < 0:
-        raise ConfigError(f"workers={s.workers}, stream_workers={s.stream_workers}: must be >= 0 (0: the default)")
-    if not MIN_TTL_SECONDS <= float(s.max_lease_seconds) < float("inf"):
-        raise ConfigError(f"max_lease_seconds={s.max_lease_seconds}: must be a number of seconds >= {MIN_TTL_SECONDS}")
+    check_settings(s)
     return s, args
 
 
-# ---------------------------------------------------------------------- auth
-def _read_tokens(paths: Sequence[str]) -> set[str]:
-    tokens: set[str] = set()
-    for path in paths:
-        try:
-            with open(path) as f:
-                tokens.update(line.strip() for line in f if line.strip())
-        except OSError as exc:
-            raise ConfigError(f"cannot read token file {path!r}: {exc}") from None
-    return tokens
-
-
-def _matches(token: str, tokens: set[str]) -> bool:
-    import hmac
-    found = False
-    for t in tokens:  # compare with every token, in constant time each
-        found |= hmac.compare_digest(token.encode(), t.encode())
-    return found
-
-
-class _TokenAuth(grpc.ServerInterceptor):
-    """Checks ``authorization: Bearer <token>`` on cache calls; health and reflection stay open."""
-
-    def __init__(self, rw: set[str], ro: set[str], observe: Callable[[str, str, float], None]) -> None:
-        self._rw, self._ro, self._observe = rw, ro, observe
-
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        t0 = time.perf_counter()  # a refused call's latency counts from here: the token check is its work
-        method = details.method
-        if not method.startswith(_METHOD_PREFIX):
-            return continuation(details)
-        name = method[len(_METHOD_PREFIX):]
-        header = dict(details.invocation_metadata or ()).get("authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if token and _matches(token, self._rw):
-            return continuation(details)
-        if token and _matches(token, self._ro):
-            if ROLES.get(name) != "write":  # (a name not in the service: gRPC answers UNIMPLEMENTED)
-                return continuation(details)
-            return self._refuse(continuation(details), name, grpc.StatusCode.PERMISSION_DENIED,
-                                f"{name} needs a read-write token; this token may only call "
-                                f"{', '.join(sorted(READ_METHODS))}",
-                                t0)
-        why = "a wrong bearer token" if token else "no bearer token (metadata 'authorization: Bearer <token>')"
-        return self._refuse(continuation(details), name, grpc.StatusCode.UNAUTHENTICATED,
-                            f"{name} refused: {why}", t0)
-
-    def _refuse(self, handler: Any, name: str, code: grpc.StatusCode, message: str, t0: float) -> Any:
-        """A handler that records the time since ``t0`` (the call's arrival) and aborts with ``code``."""
-        def abort(request: Any, context: grpc.ServicerContext) -> Any:
-            self._observe(name, code.name, time.perf_counter() - t0)
-            context.abort(code, message)
-
-        if handler is None:
-            return None
-        kind = (handler.request_streaming, handler.response_streaming)
-        make = {(False, False): grpc.unary_unary_rpc_method_handler,
-                (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler}
-        return make[kind](abort, request_deserializer=handler.request_deserializer,
-                          response_serializer=handler.response_serializer)
-
-
-# ---------------------------------------------------------------------- the server
-@dataclass
-class RunningServer:
-    """A started server; :meth:`shutdown` stops it gracefully."""
-
-    server: grpc.Server
-    cache: EmbeddingCache
-    servicer: EmbeddingCacheServicer
-    health: health.HealthServicer
-    durability: Durability
-    port: int
-    metrics_port: int
-    grace_seconds: float
-    drain_seconds: float = 0.0
-    _metrics_httpd: Any = None
-    _pools: tuple[ThreadPoolExecutor, ...] = ()
-    _stopped: bool = False
-
-    def shutdown(self) -> None:
-        """NOT_SERVING, refuse new calls, let calls in flight finish, flush and close. Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        # A shutdown that takes far longer than its drain and grace is stuck: print every thread's
-        # stack to stderr (the server log) so that the cause can be read there, and go on waiting.
-        faulthandler.dump_traceback_later(self.drain_seconds + self.grace_seconds + 30.0, repeat=True)
-        t0 = time.perf_counter()
-        try:
-            self.health.enter_graceful_shutdown()
-            self.servicer.begin_shutdown()
-            if self.drain_seconds > 0:
-                time.sleep(self.drain_seconds)
-            # gRPC cancels what still runs after the grace period, but its "stopped" event waits for
-            # every handler thread, and one can be stuck outside our code: bound that wait too. The
-            # flush below still takes the table locks, so a handler inside the cache finishes first.
-            if not self.server.stop(self.grace_seconds).wait(self.grace_seconds + _STOP_SLACK_SECONDS):
-                log.warning("shutdown: gRPC calls still not finished %.0f s after the grace period; flushing "
-                            "anyway (their stacks follow on stderr)", _STOP_SLACK_SECONDS)
-                faulthandler.dump_traceback(all_threads=True)
-            log.info("shutdown: calls finished after %.2f s", time.perf_counter() - t0)
-            self.durability.stop()
-            for pool in self._pools:  # the stream and health threads: their calls ended with the server
-                pool.shutdown(wait=False, cancel_futures=True)
-            self.servicer.close()  # cancels the batch leases: nothing pinned is left to the cache's close
-            self.cache.close()
-            self.durability.ledger.close()  # every write this process acknowledged is durable: say so on disk
-            log.info("shutdown: cache flushed and closed after %.2f s", time.perf_counter() - t0)
-            if self._metrics_httpd is not None:
-                self._metrics_httpd.shutdown()
-                self._metrics_httpd.server_close()
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-
-
-def _credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
-    if not s.tls_cert:
-        return None
-
-    def read(path: str) -> bytes:
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as exc:
-            raise ConfigError(f"cannot read TLS file {path!r}: {exc}") from None
-
-    assert s.tls_key is not None
-    ca = read(s.tls_client_ca) if s.tls_client_ca else None
-    return grpc.ssl_server_credentials([(read(s.tls_key), read(s.tls_cert))], root_certificates=ca,
-                                       require_client_auth=ca is not None)
-
-
-def start_server(s: ServerSettings) -> RunningServer:
-    """Open the cache and start serving (returns once the port is bound and health is SERVING).
-
-    Raises:
-        ConfigError, TableConflictError, StoreLockedError, StoreError: the cache could not be opened.
-        RuntimeError: the address could not be bound.
-    """
-    from prometheus_client import CollectorRegistry, Histogram, start_http_server
-
-    from ..metrics import register_metrics
-
-    # The servicer hands the library read-only tensors over request bytes; the cache never writes its inputs.
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-    config = s.cache_config()
-    if s.torch_threads > 0:
-        import torch
-
-        torch.set_num_threads(s.torch_threads)
-    rw = _read_tokens(s.auth_token_files)
-    ro = _read_tokens(s.auth_readonly_token_files)
-    env_token = os.environ.get("EMBCACHE_AUTH_TOKEN", "").strip()
-    if env_token:
-        rw.add(env_token)
-    credentials = _credentials(s)
-    cache = EmbeddingCache(config, s.tables)
-    servicer: EmbeddingCacheServicer | None = None
-    try:
-        registry = CollectorRegistry()
-        register_metrics(cache, registry)
-        latency = Histogram("embcache_rpc_request_duration_seconds", "Time to serve a call, by method and status code",
-                            ["method", "code"], registry=registry, buckets=_LATENCY_BUCKETS)
-
-        def observe(method: str, code: str, seconds: float) -> None:
-            latency.labels(method, code).observe(seconds)
-
-        durability = Durability(cache, WriteLedger(config.path, s.sync), s.flush_every_updates,
-                                s.flush_interval_seconds, s.sync)
-        info = pb.ServerInfo(version=__version__, max_batch_keys=config.max_batch_keys,
-                             reject_nonfinite=config.reject_nonfinite, max_receive_message_bytes=s.max_message_bytes,
-                             max_send_message_bytes=s.max_message_bytes, device=str(cache.device),
-                             durability=durability.describe(), max_lease_seconds=float(s.max_lease_seconds),
-                             incarnation=durability.ledger.incarnation)
-        gate = ShardGate(config.path, cache)
-        gate.register_metrics(registry)
-        register_process_metrics(registry, __version__)
-        servicer = EmbeddingCacheServicer(cache, durability, info, observe,
-                                          s.checkpoint_root or os.path.join(config.path, "checkpoints"),
-                                          LeaseTable(cache, float(s.max_lease_seconds)), gate,
-                                          StreamWatchdog(float(s.stream_idle_seconds)))
-        workers = s.workers or max(8, 4 * (os.cpu_count() or 1))
-        stream_pool = ThreadPoolExecutor(max_workers=s.stream_workers or max(2, workers // 2),
-                                         thread_name_prefix="embcache-stream")
-        health_pool = ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="embcache-health")
-        pools = (stream_pool, health_pool)
-        options = [("grpc.max_send_message_length", s.max_message_bytes),
-                   ("grpc.max_receive_message_length", s.max_message_bytes),
-                   ("grpc.so_reuseport", 0)]  # two servers must never share a port silently
-        interceptors = [_TokenAuth(rw, ro, observe)] if rw or ro else []
-        server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embcache-rpc"),
-                             options=options, interceptors=interceptors)
-        add_to_server(servicer, server, stream_pool)
-        health_servicer = health.HealthServicer()
-        add_health(health_servicer, server, health_pool)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-        try:
-            port = (server.add_secure_port(s.listen, credentials) if credentials is not None
-                    else server.add_insecure_port(s.listen))
-        except RuntimeError as exc:
-            raise RuntimeError(f"cannot listen on {s.listen}: {exc}") from None
-        if not port:
-            raise RuntimeError(f"cannot listen on {s.listen}")
-        httpd, metrics_port = None, -1
-        if s.metrics_port >= 0:
-            httpd, _ = start_http_server(s.metrics_port, addr=s.metrics_host, registry=registry)
-            metrics_port = int(httpd.server_port)
-        server.start()
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    except BaseException:
-        if servicer is not None:
-            servicer.close()
-        cache.close()
-        raise
-    return RunningServer(server, cache, servicer, health_servicer, durability, port, metrics_port,
-                         s.grace_seconds, s.drain_seconds, httpd, pools)
-
-
+# ---------------------------------------------------------------------- the process
 def _die_with_parent() -> None:
     """With ``EMBCACHE_DIE_WITH_PARENT=<pid>`` (Linux): SIGTERM this process when the thread that started it dies.
 

@@ -1,15 +1,20 @@
 """The gRPC servicer: a thin adapter from ``embcache.rpc.v1`` to :class:`~embcache.EmbeddingCache`.
 
-Each method decodes its request (:mod:`embcache.rpc.codec`), calls the library and encodes the
-reply; every rule about keys, rows, tables and passes lives in the library. Typed errors become
-status codes through the one table in :mod:`embcache.rpc.errors`, with the type's name in the
-trailing metadata. Latency is recorded per method and status code.
+Each method decodes its request (:mod:`embcache.server.decoding`, over :mod:`embcache.rpc.codec`),
+calls the library and encodes the reply; every rule about keys, rows, tables and passes lives in
+the library. Typed errors become status codes through the one table in :mod:`embcache.rpc.errors`,
+with the type's name in the trailing metadata. Latency is recorded per method and status code.
 
 Concurrency: gRPC runs each call on a worker thread; the cache serializes operations per table
 (one lock each) and releases the GIL in its heavy parts, so calls on different tables, and the
 encoding and decoding of different calls, run in parallel. A write request is applied with one
 library call, so it is atomic per table. Batch leases (PrefetchBatch) are held in a
 :class:`~embcache.server.leases.LeaseTable`, without a thread per lease.
+
+Around it: :mod:`embcache.server.handlers` registers its methods with a gRPC server
+(:func:`add_to_server`), :mod:`embcache.server.durability` flushes after writes
+(:class:`Durability`), and :mod:`embcache.server.auth` holds the token roles (:data:`ROLES`).
+Those names are importable from here too.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import CancelledError
 from typing import Any, TypeVar
 
 import grpc
@@ -38,7 +43,6 @@ from ..errors import (
     InvalidKeysError,
     InvalidRowsError,
     MigratingError,
-    StoreError,
     WrongShardError,
 )
 from ..keyset import Keyset
@@ -50,244 +54,28 @@ from ..rpc.errors import (
     MAP_VERSION_KEY,
     NOT_APPLIED_KEY,
     SHARD_MAP_KEY,
-    StreamCancelledError,
     status_of,
 )
 from ..rpc.v1 import embcache_pb2 as pb
 from ..rpc.v1 import embcache_pb2_grpc as pb_grpc
+from .auth import READ_METHODS, ROLES, WRITE_METHODS, roles_text
+from .decoding import collect_chunks, collect_keysets, keys_of, keysets_of, unique_tables, values_of
+from .durability import Durability
+from .handlers import SERVICE_NAME, add_to_server
 from .leases import LeaseTable
-from .ledger import WriteLedger
-from .overload import StreamWatchdog, on_pool
+from .overload import StreamWatchdog
 from .sharding import ShardGate
 
-__all__ = ["READ_METHODS", "ROLES", "SERVICE_NAME", "WRITE_METHODS", "Durability", "EmbeddingCacheServicer",
-           "add_to_server", "roles_text"]
+__all__ = ["LOOKUP_CHUNK_KEYS", "READ_METHODS", "ROLES", "SERVICE_NAME", "WRITE_METHODS", "Durability",
+           "EmbeddingCacheServicer", "add_to_server", "roles_text"]
 
 log = logging.getLogger("embcache.server")
 R = TypeVar("R")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].full_name
-# The hot calls skip the generated classes: requests arrive as bytes (parsed by embcache.rpc.wire
-# into views of those bytes) and the Lookup reply leaves as bytes joined once from the rows' memory.
-_RAW_REQUESTS = frozenset({"Lookup", "ApplyGradients", "Assign"})
-_RAW_RESPONSES = frozenset({"Lookup"})
 #: Keys a Lookup hands the cache per call: a larger request is looked up in chunks of this many
 #: (same rows; the cache's working memory stays that of one chunk).
 LOOKUP_CHUNK_KEYS = 1 << 16
 _REPLY_ENTRY_BYTES = 256  # a Lookup reply's bytes per table besides its rows and name (headers, padding), at most
-_CANCEL_GRACE_SECONDS = 0.01  # how long a request stream's end waits to learn that it was a cancellation
-_NAME_MAX, _PATH_MAX = 255, 4096  # Linux's limits on a file name and a path, in bytes
-
-#: The one table of token roles: every method of the service -> the role a bearer token needs to
-#: call it. "read": any token, read-only ones too (the call changes no row, table, pass, pin or
-#: file); "write": read-write tokens only. The server's token check, ``embcache-server --help``,
-#: the README's table (between its ``roles`` markers) and the tests all come from this table.
-#: ResidentKeys is a read: it lists keys and changes nothing. The resharding calls (GetShardMap
-#: ... CommitShardMap) are writes: only the operator's reshard makes them.
-ROLES: dict[str, str] = {
-    "ListTables": "read", "Lookup": "read", "Stats": "read", "ResidentKeys": "read",
-    "CreateTable": "write", "ApplyGradients": "write", "ApplyGradientsStream": "write", "Assign": "write",
-    "AssignStream": "write", "Prefetch": "write", "PrefetchStream": "write", "BeginPass": "write",
-    "BeginPassStream": "write", "EndPass": "write", "PrefetchBatch": "write", "PrefetchBatchStream": "write",
-    "RenewLeases": "write", "ReleaseLeases": "write", "Flush": "write", "Checkpoint": "write",
-    "GetShardMap": "write", "SetShardMap": "write", "ExportRows": "write", "ImportRows": "write",
-    "CommitShardMap": "write",
-}
-_SERVICE_METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods}
-if set(ROLES) != _SERVICE_METHODS or set(ROLES.values()) != {"read", "write"}:  # a new method needs its role
-    raise ImportError(f"ROLES must give every method 'read' or 'write': {sorted(set(ROLES) ^ _SERVICE_METHODS)}")
-#: Methods that change rows, tables, passes, pins or files (role "write").
-WRITE_METHODS = frozenset(m for m, role in ROLES.items() if role == "write")
-#: Methods a read-only token may call (role "read").
-READ_METHODS = frozenset(m for m, role in ROLES.items() if role == "read")
-
-
-def roles_text(markdown: bool = False) -> str:
-    """The token roles of :data:`ROLES` in words: for ``--help``, or as the README's Markdown table."""
-    rows = [("read", "any token (read-only ones too)", sorted(READ_METHODS)),
-            ("write", "read-write tokens only", sorted(WRITE_METHODS))]
-    if markdown:
-        return "\n".join(["| role | who may call | methods |", "| --- | --- | --- |",
-                          *(f"| {role} | {who} | {', '.join(methods)} |" for role, who, methods in rows)])
-    lines = ["Token roles (which bearer token may call which method; embcache.server.servicer.ROLES):"]
-    for role, who, methods in rows:
-        lines.append(f"  {role} - {who}:")
-        text, width = "", 96
-        for m in methods:
-            if text and len(text) + len(m) + 2 > width:
-                lines.append(f"    {text},")
-                text = ""
-            text = f"{text}, {m}" if text else m
-        lines.append(f"    {text}")
-    return "\n".join(lines)
-
-
-class Durability:
-    """When acknowledged writes are flushed to the store (see ``embcache-server --help``).
-
-    Every flush goes through the ledger, which records what it made durable (see
-    :mod:`embcache.server.ledger`).
-
-    Args:
-        cache: the cache to flush.
-        ledger: the server's write ledger.
-        every_updates: flush in the write request that completes every N-th write request,
-            before acknowledging it (0 = off).
-        interval_seconds: flush from a background thread every S seconds when something was
-            written (0 = off).
-        sync: flush in every write request before acknowledging it.
-    """
-
-    def __init__(self, cache: EmbeddingCache, ledger: WriteLedger, every_updates: int = 0,
-                 interval_seconds: float = 0.0, sync: bool = False) -> None:
-        if every_updates < 0 or interval_seconds < 0:
-            raise ValueError("flush_every_updates and flush_interval_seconds must be >= 0")
-        self._cache = cache
-        self.ledger = ledger
-        self._every = every_updates
-        self._interval = interval_seconds
-        self._sync = sync
-        self._lock = threading.Lock()
-        self._count = 0
-        self._dirty = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if interval_seconds > 0 and not sync:
-            self._thread = threading.Thread(target=self._loop, name="embcache-flush", daemon=True)
-            self._thread.start()
-
-    def describe(self) -> str:
-        """The mode in words (sent to clients in ServerInfo)."""
-        if self._sync:
-            return "sync: every write is flushed before it is acknowledged"
-        parts = []
-        if self._every:
-            parts.append(f"flush every {self._every} write requests")
-        if self._interval:
-            parts.append(f"flush every {self._interval:g} s")
-        return ", ".join(parts) or "flush on request (Flush, Checkpoint) and at shutdown"
-
-    def after_write(self) -> None:
-        """Account for one applied write request; flush now if the mode says so.
-
-        Raises:
-            StoreError: the flush failed (the write is applied in memory, not yet durable).
-        """
-        if self._sync:
-            self.flush()
-            return
-        due = False
-        with self._lock:
-            self._dirty = True
-            if self._every:
-                self._count += 1
-                if self._count >= self._every:
-                    self._count, due = 0, True
-        if due:
-            self.flush()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            with self._lock:
-                dirty, self._dirty = self._dirty, False
-            if not dirty:
-                continue
-            try:
-                self.flush()
-            except CacheClosedError:
-                return
-            except EmbcacheError as exc:  # the rows stay dirty in memory; the next round retries
-                log.warning("periodic flush failed: %s", exc)
-                with self._lock:
-                    self._dirty = True
-
-    def flush(self) -> None:
-        """Flush the cache and record, in the ledger, the writes that made durable.
-
-        Raises:
-            CacheClosedError, StoreError: the flush failed (nothing is recorded).
-        """
-        self._flush_recorded(self._cache.flush)
-
-    def _flush_recorded(self, fn: Callable[[], None]) -> None:
-        try:
-            self.ledger.flush(fn)
-        except EmbcacheError:  # the flush's own (CheckpointExistsError is an OSError too)
-            raise
-        except OSError as exc:  # the rows are durable; the record of it is not (a full disk)
-            raise StoreError(f"the flush succeeded but its record could not be written: {exc}") from exc
-
-    def checkpoint(self, directory: str) -> None:
-        """Checkpoint the cache (which flushes first) and record the flush in the ledger.
-
-        Raises:
-            CheckpointExistsError, CacheClosedError, StoreError.
-        """
-        self._flush_recorded(lambda: self._cache.checkpoint(directory))
-
-    def stop(self) -> None:
-        """Stop the periodic flusher (the shutdown's own flush follows)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
-def _unique_tables(items: Iterable[Any], what: str) -> None:
-    names = [i.table for i in items]
-    if len(set(names)) != len(names):
-        raise InvalidKeysError(f"{what}: a table appears more than once in one request: {names}")
-
-
-def _values(tv: pb.TableValues | wire.TableKeysView, what: str, error: type[EmbcacheError]) -> torch.Tensor:
-    return torch.from_numpy(codec.decode_tensor(tv.values, f"{what} of table {tv.table!r}", error,
-                                                codec.FLOAT_DTYPES, 2, tv.HasField("values")))
-
-
-def _keys(item: Any) -> torch.Tensor:
-    return codec.decode_keys(item.keys, f"keys of table {item.table!r}", item.HasField("keys"))
-
-
-def _collect(requests: Iterable[Any], what: str,
-             error: type[EmbcacheError]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Concatenate the chunks of a write stream per table (in arrival order)."""
-    parts: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-    for req in requests:
-        _unique_tables(req.tables, f"{what} chunk")
-        for tv in req.tables:
-            keys, values = _keys(tv), _values(tv, what, error)
-            ks, vs = parts.setdefault(tv.table, ([], []))
-            if vs and values.shape[1:] != vs[0].shape[1:]:
-                raise error(f"{what} of table {tv.table!r}: chunks have different widths "
-                            f"({vs[0].shape[1]} and {values.shape[1]})")
-            ks.append(keys.numpy())
-            vs.append(values.numpy())
-    out = {}
-    for name, (ks, vs) in parts.items():
-        dtype = np.result_type(*vs)
-        out[name] = (torch.from_numpy(np.concatenate(ks)), torch.from_numpy(np.concatenate(vs).astype(dtype)))
-    return out
-
-
-def _keysets(items: Sequence[pb.TableKeyset], what: str) -> dict[str, Keyset]:
-    _unique_tables(items, what)
-    return {k.table: codec.decode_keyset(k) for k in items}
-
-
-def _collect_keysets(requests: Iterable[Any], what: str) -> tuple[dict[str, Keyset], Any]:
-    """Merge the keysets of a keyset stream's chunks per table; returns them and the first chunk (its options).
-
-    Raises:
-        InvalidKeysError: a malformed chunk, or a stream without any.
-    """
-    parts: dict[str, list[Keyset]] = {}
-    first = None
-    for req in requests:
-        first = req if first is None else first
-        for name, keyset in _keysets(req.keysets, f"{what} chunk").items():
-            parts.setdefault(name, []).append(keyset)
-    if first is None:
-        raise InvalidKeysError(f"{what}: the stream held no request")
-    return {name: codec.merge_keysets(ks) for name, ks in parts.items()}, first
 
 
 class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
@@ -299,6 +87,9 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         server_info: limits and settings reported by ListTables.
         observe: ``observe(method, code_name, seconds)`` records a call's latency (e.g. a Prometheus histogram).
         checkpoint_root: directory under which Checkpoint may write.
+        leases: the batch leases (default: a table with the server's longest time-to-live).
+        gate: the shard map's gate (default: one over the cache's store directory).
+        watchdog: cuts idle client streams (default: none).
     """
 
     def __init__(self, cache: EmbeddingCache, durability: Durability, server_info: pb.ServerInfo,
@@ -441,8 +232,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """
         def lookup() -> bytes:
             tables = wire.parse_lookup_request(request)
-            _unique_tables(tables, "Lookup")
-            keys = {tk.table: _keys(tk) for tk in tables}
+            unique_tables(tables, "Lookup")
+            keys = {tk.table: keys_of(tk) for tk in tables}
             self._gate.check_read(self._map_version(context), {n: k.numpy() for n, k in keys.items()})
             known = self._cache.tables()
             self._check_reply_size(keys, known)
@@ -507,8 +298,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """Apply each table's optimizer; duplicate keys' gradients are summed."""
         def apply() -> None:
             tables = wire.parse_values_request(request)
-            _unique_tables(tables, "ApplyGradients")
-            self._apply({tv.table: (_keys(tv), _values(tv, "gradients", InvalidGradientError)) for tv in tables},
+            unique_tables(tables, "ApplyGradients")
+            self._apply({tv.table: (keys_of(tv), values_of(tv, "gradients", InvalidGradientError)) for tv in tables},
                         context)
         return pb.ApplyGradientsResponse(receipt=self._write("ApplyGradients", context, apply))
 
@@ -517,14 +308,14 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """ApplyGradients for batches above the message limit: chunks collected, then applied as one request."""
         return pb.ApplyGradientsResponse(receipt=self._write(
             "ApplyGradientsStream", context,
-            lambda: self._apply(_collect(request_iterator, "gradients", InvalidGradientError), context)))
+            lambda: self._apply(collect_chunks(request_iterator, "gradients", InvalidGradientError), context)))
 
     def Assign(self, request: bytes, context: grpc.ServicerContext) -> pb.AssignResponse:
         """Overwrite rows and reset their optimizer state; the last duplicate wins."""
         def assign() -> None:
             tables = wire.parse_values_request(request)
-            _unique_tables(tables, "Assign")
-            self._assign({tv.table: (_keys(tv), _values(tv, "rows", InvalidRowsError)) for tv in tables}, context)
+            unique_tables(tables, "Assign")
+            self._assign({tv.table: (keys_of(tv), values_of(tv, "rows", InvalidRowsError)) for tv in tables}, context)
         return pb.AssignResponse(receipt=self._write("Assign", context, assign))
 
     def AssignStream(self, request_iterator: Iterator[pb.AssignRequest],
@@ -532,7 +323,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         """Assign for batches above the message limit: chunks collected, then assigned as one request."""
         return pb.AssignResponse(receipt=self._write(
             "AssignStream", context,
-            lambda: self._assign(_collect(request_iterator, "rows", InvalidRowsError), context)))
+            lambda: self._assign(collect_chunks(request_iterator, "rows", InvalidRowsError), context)))
 
     # ------------------------------------------------------------------ passes
     def _routed(self, keysets: dict[str, Keyset], context: grpc.ServicerContext) -> dict[str, Keyset]:
@@ -559,14 +350,14 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> Iterator[pb.PrefetchResponse]:
         """Start staging; with ``wait``, a second message when done (cancelling the call stops the staging)."""
         def stream() -> Iterator[pb.PrefetchResponse]:
-            yield from self._prefetch(_keysets(request.keysets, "Prefetch"), request.wait, context)
+            yield from self._prefetch(keysets_of(request.keysets, "Prefetch"), request.wait, context)
         yield from self._run_stream("Prefetch", context, stream())
 
     def PrefetchStream(self, request_iterator: Iterator[pb.PrefetchRequest],
                        context: grpc.ServicerContext) -> Iterator[pb.PrefetchResponse]:
         """Prefetch for keysets above the message limit: the chunks are merged, then staged as one prefetch."""
         def stream() -> Iterator[pb.PrefetchResponse]:
-            keysets, first = _collect_keysets(request_iterator, "PrefetchStream")
+            keysets, first = collect_keysets(request_iterator, "PrefetchStream")
             yield from self._prefetch(keysets, first.wait, context)
         yield from self._run_stream("PrefetchStream", context, stream())
 
@@ -579,20 +370,20 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     def BeginPass(self, request: pb.BeginPassRequest, context: grpc.ServicerContext) -> pb.BeginPassResponse:
         """Make a pass's keyset resident and pin it."""
         return self._run("BeginPass", context,
-                         lambda: self._begin_pass(_keysets(request.keysets, "BeginPass"), context))
+                         lambda: self._begin_pass(keysets_of(request.keysets, "BeginPass"), context))
 
     def BeginPassStream(self, request_iterator: Iterator[pb.BeginPassRequest],
                         context: grpc.ServicerContext) -> pb.BeginPassResponse:
         """BeginPass for keysets above the message limit: the chunks are merged, then begun as one pass."""
         return self._run("BeginPassStream", context,
-                         lambda: self._begin_pass(_collect_keysets(request_iterator, "BeginPassStream")[0], context))
+                         lambda: self._begin_pass(collect_keysets(request_iterator, "BeginPassStream")[0], context))
 
     # ------------------------------------------------------------------ batch leases
     def PrefetchBatch(self, request: pb.PrefetchBatchRequest,
                       context: grpc.ServicerContext) -> pb.PrefetchBatchResponse:
         """Stage one batch's rows under a lease with a time-to-live (see :mod:`embcache.server.leases`)."""
         def lease() -> pb.PrefetchBatchResponse:
-            lease_id, ttl = self.leases.open(self._routed(_keysets(request.keysets, "PrefetchBatch"), context),
+            lease_id, ttl = self.leases.open(self._routed(keysets_of(request.keysets, "PrefetchBatch"), context),
                                              request.ttl_seconds)
             return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl, incarnation=self._incarnation)
         return self._run("PrefetchBatch", context, lease)
@@ -601,7 +392,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
                             context: grpc.ServicerContext) -> pb.PrefetchBatchResponse:
         """PrefetchBatch for keysets above the message limit: the chunks are merged into one lease."""
         def lease() -> pb.PrefetchBatchResponse:
-            keysets, first = _collect_keysets(request_iterator, "PrefetchBatchStream")
+            keysets, first = collect_keysets(request_iterator, "PrefetchBatchStream")
             lease_id, ttl = self.leases.open(self._routed(keysets, context), first.ttl_seconds)
             return pb.PrefetchBatchResponse(lease_id=lease_id, ttl_seconds=ttl, incarnation=self._incarnation)
         return self._run("PrefetchBatchStream", context, lease)
@@ -700,7 +491,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     def ImportRows(self, request: pb.ImportRowsRequest, context: grpc.ServicerContext) -> pb.ImportRowsResponse:
         """Take rows that move to this shard under the pending map."""
         def take() -> pb.ImportRowsResponse:
-            keys = _keys(request).numpy()
+            keys = keys_of(request).numpy()
             freq = codec.decode_tensor(request.freq, "freq", InvalidRowsError, codec.FLOAT_DTYPES, 1,
                                        request.HasField("freq"))
             self._cache.row_bytes(request.table)  # UnknownTableError for a table this server does not have
@@ -727,105 +518,3 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             return pb.CommitShardMapResponse(state=self._map_state(), deleted_rows=deleted)
         return self._run("CommitShardMap", context, commit)
 
-
-def _identity(data: bytes) -> bytes:
-    return data
-
-
-class _Malformed:
-    """What a request deserializer hands the handler for bytes that are no valid request (it never raises).
-
-    gRPC answers a deserializer's exception with INTERNAL ("Exception deserializing request!")
-    and no metadata; the handler refuses this with INVALID_ARGUMENT and the error type instead.
-    """
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-def _parser(request_type: Any) -> Callable[[bytes], Any]:
-    """``request_type.FromString`` that returns a :class:`_Malformed` instead of raising."""
-    name = request_type.DESCRIPTOR.name
-
-    def parse(data: bytes) -> Any:
-        try:
-            request = request_type.FromString(data)
-        except Exception as exc:  # DecodeError, or whatever else the parser raises on garbage
-            return _Malformed(f"malformed {name}: {exc or 'not a valid protobuf message'}")
-        problem = _checkpoint_problem(request.directory) if name == "CheckpointRequest" else None
-        return _Malformed(f"malformed {name}: {problem}") if problem else request
-    return parse
-
-
-def _checkpoint_problem(directory: str) -> str | None:
-    """Why ``directory`` can be no path on this system (the OS would refuse it with an OSError), or None."""
-    if "\0" in directory:
-        return "the directory name holds a NUL character"
-    if len(directory.encode()) >= _PATH_MAX or any(len(p.encode()) > _NAME_MAX for p in directory.split("/")):
-        return f"the directory name is longer than a path ({_PATH_MAX} bytes) or a name in it ({_NAME_MAX}) may be"
-    return None
-
-
-def _checked(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Iterator[Any]:
-    """A request stream whose malformed message raises InvalidKeysError where the handler reads it,
-    and whose end raises StreamCancelledError when the client cancelled it instead of closing it.
-
-    gRPC ends the requests of a call the client cancelled (or whose deadline passed) mid-stream
-    just as if the client had sent its last chunk, and learns of the cancellation a moment later:
-    a handler that took that for the end applied the chunks it had (half of the cancelled streams
-    in a test). So the end waits up to ``_CANCEL_GRACE_SECONDS`` for the call to turn inactive.
-    """
-    ended = threading.Event()
-    context.add_callback(ended.set)  # runs when the call terminates (cancelled, or finished)
-    for request in requests:
-        if isinstance(request, _Malformed):
-            raise InvalidKeysError(request.message)
-        yield request
-    ended.wait(_CANCEL_GRACE_SECONDS)
-    if not context.is_active():
-        raise StreamCancelledError(f"{method}: the client cancelled the stream (or its deadline passed) before "
-                                   "it ended; nothing of it was applied")
-
-
-def _guarded(servicer: EmbeddingCacheServicer, name: str, streaming: bool) -> Callable[[Any, Any], Any]:
-    """The servicer's method ``name``, refusing a malformed request with INVALID_ARGUMENT before it runs
-    (and with a request stream, cut when it idles: see :class:`~embcache.server.overload.StreamWatchdog`)."""
-    method = getattr(servicer, name)
-    if streaming:
-        return lambda requests, context: method(_checked(servicer.watch(requests, context, name), context, name),
-                                                context)
-
-    def unary(request: Any, context: grpc.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            servicer.refuse_malformed(name, context, request.message)
-        return method(request, context)
-    return unary
-
-
-def add_to_server(servicer: EmbeddingCacheServicer, server: grpc.Server,
-                  stream_pool: ThreadPoolExecutor | None = None) -> None:
-    """Register the servicer, with bytes in and out for the hot calls (the generated helper would parse them).
-
-    Every request deserializer returns instead of raising: bytes that are no valid request get
-    INVALID_ARGUMENT (InvalidKeysError, "malformed ..."), never gRPC's own INTERNAL. With
-    ``stream_pool``, the calls that stream (either way) run on it, not on the server's pool.
-    """
-    handlers = {}
-    make = {(False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler}
-    for method in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods:
-        request_type = getattr(pb, method.input_type.name)
-        response_type = getattr(pb, method.output_type.name)
-        behavior = _guarded(servicer, method.name, method.client_streaming)
-        if stream_pool is not None and (method.client_streaming or method.server_streaming):
-            behavior = on_pool(behavior, stream_pool)
-        handlers[method.name] = make[(method.client_streaming, method.server_streaming)](
-            behavior,
-            request_deserializer=_identity if method.name in _RAW_REQUESTS else _parser(request_type),
-            response_serializer=_identity if method.name in _RAW_RESPONSES else response_type.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
