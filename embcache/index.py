@@ -63,78 +63,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._bits import M1, M2, mix64, next_pow2, unmix64
 from .hostmem import huge_page_zeros
 
 __all__ = ["KeyIndex", "NumbaIndex", "TorchIndex", "make_index", "mix64", "numba_available", "unmix64"]
 
-# splitmix64 finalizer multipliers (Stafford's "Mix13") and their inverses mod 2**64 (both are
-# odd), the latter for unmix64.
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
-
-
-def _i64(v: int) -> int:
-    # The int64 with the same 64 bits (torch arithmetic is on signed int64).
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-_M1_I64, _M2_I64 = _i64(_M1), _i64(_M2)
-_M1_INV_I64, _M2_INV_I64 = _i64(pow(_M1, -1, 1 << 64)), _i64(pow(_M2, -1, 1 << 64))
+# The splitmix64 multipliers, here for the tests that recompute mix64 with Python ints.
+_M1, _M2 = M1, M2
 # Byte k of this is 7 - k, so for a word with only byte i set (the value 1 << 8i), the top byte of
 # word * _BYTE_INDEX is i: the index of the set byte without a loop or a reduction.
 _BYTE_INDEX = 0x0001020304050607
 _BIG_ENDIAN = sys.byteorder == "big"  # bool -> bytes views put column 0 in the top byte there
-# torch has no unsigned 64-bit shift: ``x >> s`` is arithmetic, so mask off the copied sign bits.
-_LOW34 = (1 << 34) - 1
-_LOW37 = (1 << 37) - 1
-_LOW33 = (1 << 33) - 1
 
 # NumbaIndex.find splits batches of at least two chunks of this many keys over helper threads.
 _CHUNK = 16384
-
-
-def mix64(keys: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finalizer of each key, computed in wrapping int64 arithmetic.
-
-    Args:
-        keys: int64 [n], any device.
-
-    Returns:
-        int64 [n]: the 64-bit hash bit patterns (a bijection of the keys), same device.
-    """
-    x = keys ^ ((keys >> 30) & _LOW34)
-    x.mul_(_M1_I64)
-    x ^= (x >> 27) & _LOW37
-    x.mul_(_M2_I64)
-    x ^= (x >> 31) & _LOW33
-    return x
-
-
-def _unxorshift(x: torch.Tensor, shift: int) -> torch.Tensor:
-    # Inverse of x ^ (x >>> shift): each round fixes ``shift`` more of the high bits.
-    low = (1 << (64 - shift)) - 1
-    y = x
-    for _ in range(64 // shift):
-        y = x ^ ((y >> shift) & low)
-    return y
-
-
-def unmix64(h: torch.Tensor) -> torch.Tensor:
-    """The keys whose :func:`mix64` is ``h`` (the finalizer is a bijection).
-
-    Args:
-        h: int64 [n] hash bit patterns, any device.
-
-    Returns:
-        int64 [n] keys with ``mix64(keys) == h``.
-    """
-    x = _unxorshift(h, 31) * _M2_INV_I64
-    x = _unxorshift(x, 27) * _M1_INV_I64
-    return _unxorshift(x, 30)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 class KeyIndex(abc.ABC):
@@ -286,7 +228,7 @@ class TorchIndex(KeyIndex):
         # than doubling the table; only a full stash forces growth.
         self.stash_capacity = max(64, self.capacity // 256)
         # <= 50% load at capacity; >= 2 buckets so that every bucket has a filler key (below).
-        nb = max(2, _next_pow2(-(-2 * self.capacity // self.bucket_width)))
+        nb = max(2, next_pow2(-(-2 * self.capacity // self.bucket_width)))
         # The tiers count 64 bytes of index per row (tier.py). Where rounding up to a power of two
         # would pass that (up to ~68.5 bytes), take half the buckets: a load of 50-55%, where
         # two-choice buckets of 8 still stash about one key in a thousand.
@@ -592,8 +534,8 @@ class TorchIndex(KeyIndex):
 # another jitted function would miss the cache in every new process. The names they call
 # (_home, _lookup, _prefetch, _hash_group) are globals that _numba_kernels() rebinds to their
 # numba versions before compiling the entry points.
-_M1_U64 = np.uint64(_M1)
-_M2_U64 = np.uint64(_M2)
+_M1_U64 = np.uint64(M1)
+_M2_U64 = np.uint64(M2)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ONE = np.uint64(1)
 # Keys hashed and prefetched ahead of probing. A probe is a random access into a table much
@@ -932,7 +874,7 @@ class NumbaIndex(KeyIndex):
         if self.device.type != "cpu":
             raise ValueError(f"NumbaIndex runs on the CPU only, got device {self.device}")
         self._k = _numba_kernels()
-        size = max(16, _next_pow2(2 * self.capacity))
+        size = max(16, next_pow2(2 * self.capacity))
         # (key, slot) pairs; slot -1 marks an empty entry. The kernels see it through .numpy().
         self._tab = huge_page_zeros(size * 16).view(np.int64).reshape(size, 2)
         self._tab.fill(-1)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 import numba
 import numpy as np
 
+from ._bits import M1, M2, next_pow2
 from .policy import DEFAULT_IDLE_HALVING, default_halflife
 
 __all__ = [
@@ -72,8 +73,8 @@ SKETCH_SEEDS = np.array(
 )
 _SKETCH_DEPTH = 4
 _COUNTER_MAX = 15  # 4-bit counters
-_MIX_C1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX_C2 = np.uint64(0x94D049BB133111EB)
+_MIX_C1 = np.uint64(M1)
+_MIX_C2 = np.uint64(M2)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
@@ -375,9 +376,9 @@ def sketch_hash(key: int, row: int) -> int:
     mask = (1 << 64) - 1
     x = (key & mask) ^ int(SKETCH_SEEDS[row])
     x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & mask
+    x = (x * M1) & mask
     x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & mask
+    x = (x * M2) & mask
     x ^= x >> 31
     return x
 
@@ -584,10 +585,6 @@ def _wtinylfu_kernel(
     return hits
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def wtinylfu_hits(
     trace: np.ndarray,
     capacity: int,
@@ -661,7 +658,7 @@ def wtinylfu_hits(
     ids, uniq = _dense(trace)
     n_ids = int(uniq.size)
     raw = uniq.astype(np.int64).view(np.uint64)
-    width = 4 * max(_next_pow2(cap), 8)
+    width = 4 * max(next_pow2(cap), 8)
     slots = _sketch_slots(raw, width)
     max_main = int(cap * (1.0 - window_fraction))
     max_window = cap - max_main
@@ -740,9 +737,9 @@ _RENORM = 2.0**40
 def _lrfu_cell(key: int, row: int, mask: int) -> int:
     x = np.uint64(key) ^ SKETCH_SEEDS_NB[row]
     x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x *= _MIX_C1
     x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
+    x *= _MIX_C2
     x ^= x >> np.uint64(31)
     return np.int64(x & np.uint64(mask))
 
@@ -967,10 +964,10 @@ class LrfuSim:
         self._rk = np.zeros(max(cap, 1), dtype=np.int64)
         self._rf = np.zeros(max(cap, 1), dtype=np.float64)
         self._rl = np.zeros(max(cap, 1), dtype=np.float64)
-        self._pos = np.zeros((_next_pow2(max(2 * cap, 16)), 2), dtype=np.int64)
+        self._pos = np.zeros((next_pow2(max(2 * cap, 16)), 2), dtype=np.int64)
         self._pos[:, 1] = -1
         self._state = np.array([0, cap, sample or 0], dtype=np.int64)
-        self._sketch = np.zeros((4, _next_pow2(max(8 * cap, 64))), dtype=np.float64)
+        self._sketch = np.zeros((4, next_pow2(max(8 * cap, 64))), dtype=np.float64)
         self._admission = admission
         self._rng = np.array([(seed * 0x9E3779B97F4A7C15 + 1) % (1 << 64) or 1], dtype=np.uint64)
 
