@@ -170,7 +170,7 @@ def set_threads(n: int) -> None:
     """Use ``n`` threads in torch and numba (0: leave their defaults).
 
     Run as a script, ``NUMBA_NUM_THREADS`` was already set from ``--threads`` before the imports,
-    which also sizes the helper threads of embcache's index (``embcache/index.py``).
+    which also sizes the helper threads of embcache's index (``embcache/index/numba_index.py``).
     """
     if n <= 0:
         return

@@ -8,7 +8,7 @@ For each workload (stationary Zipf with alpha 0.8, 1.05 and 1.2; drifting popula
 cold keys; Zipf mixed with one-hit-wonder scans; see ``bench/workloads.py``) and each capacity
 (0.25%, 0.5%, 1%, 2%, 4%, 8% and 16% of the key space), it measures the hit ratio of
 
-- the exact reference simulators of ``embcache/sim.py``: LRU, LFU (admission-free),
+- the exact reference simulators of ``embcache/sim/``: LRU, LFU (admission-free),
   W-TinyLFU (Caffeine's design) and OPT (Belady's MIN with bypass, the offline upper bound);
 - embcache's policies ("lrfu", "lru", "lfu") run through the real :class:`embcache.EmbeddingCache`
   (HBM tier sized to the capacity in rows, no DDR tier, RocksDB below): the trace is looked up in

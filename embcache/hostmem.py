@@ -8,7 +8,7 @@ well as the caches and wait for a page walk too. On 2 MiB pages they do not. Mea
 - key index ``find`` on a 32 MiB table: 10-30% more finds per second;
 - gathering 8,192 rows of dim 64 at random: 0.447 -> 0.385 ms (``index_select``: 0.521 -> 0.461 ms);
 - the lookup's probe + count + copy pass (its grouped form, before the rolling pipeline of
-  ``index.py``): 0.82 -> 0.76 ms per 8,192 keys at dim 64, 10.1 -> 9.5 ms per 65,536 keys at
+  ``index/numba_index.py``): 0.82 -> 0.76 ms per 8,192 keys at dim 64, 10.1 -> 9.5 ms per 65,536 keys at
   dim 128.
 
 Linux gives transparent huge pages to memory marked with ``madvise(MADV_HUGEPAGE)`` (the usual

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._bits import mix64
 from .config import ScoreFn
 
 __all__ = ["DEFAULT_HALFLIFE_ROWS", "DEFAULT_IDLE_HALVING", "Clock", "FrequencySketch", "Policy", "default_halflife",
@@ -189,15 +190,6 @@ class Clock:
         self.t0 = int(state["t0"])
 
 
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finalizer on int64 (wrapping multiply, logical shifts by masking)."""
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * -7723592293110705685  # 0x94D049BB133111EB
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
-
-
 class FrequencySketch:
     """Count-min sketch of aged access frequencies for rows that are not in memory.
 
@@ -231,7 +223,7 @@ class FrequencySketch:
     def _cells(self, keys: torch.Tensor) -> torch.Tensor:
         """Flat counter positions [depth, n] of ``keys``."""
         keys = keys.to(self.device)
-        h = _mix64(keys.unsqueeze(0) ^ (self._seeds * 0x9E3779B9))
+        h = mix64(keys.unsqueeze(0) ^ (self._seeds * 0x9E3779B9))
         return (h & (self.width - 1)) + self._offsets
 
     def add(self, keys: torch.Tensor, amounts: torch.Tensor) -> None:

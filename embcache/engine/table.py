@@ -27,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .._bits import next_pow2
 from ..config import CacheConfig, TableConfig
 from ..errors import StoreError
 from ..keyset import Keyset
@@ -60,10 +61,6 @@ _RECENT_MAX_ROWS = 65536
 RowUpdate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 class TableEngine:
     """One table: its tiers, policy state, counters and store rows, guarded by ``lock``."""
 
@@ -81,7 +78,7 @@ class TableEngine:
         memory_rows = hbm_rows + ddr_rows
         halflife = config.halflife if config.halflife is not None else default_halflife(memory_rows)
         self.clock = Clock(halflife if policy.aging else math.inf)
-        width = config.sketch_width or min(max(_next_pow2(8 * memory_rows), _MIN_SKETCH_WIDTH), _MAX_SKETCH_WIDTH)
+        width = config.sketch_width or min(max(next_pow2(8 * memory_rows), _MIN_SKETCH_WIDTH), _MAX_SKETCH_WIDTH)
         self.sketch = FrequencySketch(width, device=torch.device("cpu"))
         self.params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
                                       weight_decay=cfg.weight_decay)
