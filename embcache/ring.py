@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HashRing", "ShardMap", "mix64"]
+__all__ = ["HashRing", "ShardMap", "ring_hash"]
 
 _SLICE_BITS = 16
 _SLICES = 1 << _SLICE_BITS
@@ -26,8 +26,14 @@ _SLICES = 1 << _SLICE_BITS
 _U64 = np.uint64
 
 
-def mix64(keys: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer over int64 keys (vectorized): a 64-bit hash that spreads consecutive ids."""
+def ring_hash(keys: np.ndarray) -> np.ndarray:
+    """A key's place on the ring: splitmix64's full step (golden-ratio increment, then the finalizer).
+
+    Not :func:`embcache._bits.mix64` (the finalizer alone, which the key index and the sketch
+    use): a shard owns arcs of the ring, i.e. ranges of this hash's high bits, and with the
+    finalizer alone its keys would share the high bits the key index takes its second bucket
+    from. Fixed forever: changing it would move every key to another shard.
+    """
     z = keys.astype(np.int64, copy=False).view(np.uint64) + _U64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
@@ -38,7 +44,7 @@ class HashRing:
     """Consistent hashing of int64 keys onto named shards, with virtual nodes.
 
     Each shard owns ``vnodes`` points on a 64-bit ring (hashes of ``"name#i"``); a key belongs to
-    the first point at or after its :func:`mix64` hash. Adding a shard to N moves about 1/(N+1)
+    the first point at or after its :func:`ring_hash`. Adding a shard to N moves about 1/(N+1)
     of the keys, all of them to the new shard.
 
     Args:
@@ -66,7 +72,7 @@ class HashRing:
         """Shard index (int64 [n]) of each key (int64 [n])."""
         if len(self.names) == 1:
             return np.zeros(keys.shape[0], dtype=np.int64)
-        return self.owners_of_hashes(mix64(keys))
+        return self.owners_of_hashes(ring_hash(keys))
 
     def owners_of_hashes(self, hashes: np.ndarray) -> np.ndarray:
         """Shard index (int64 [n]) owning each position on the ring (uint64 [n]).

@@ -26,7 +26,7 @@ from embcache.errors import (
     TableConflictError,
     UnknownTableError,
 )
-from embcache.ring import mix64
+from embcache.ring import ring_hash
 from embcache.rpc import codec, wire
 from embcache.rpc.errors import (
     ERROR_TYPE_KEY,
@@ -216,9 +216,9 @@ def test_codes_without_a_type_name() -> None:
 
 
 # ---------------------------------------------------------------------- the ring
-def test_mix64_is_a_bijection_on_a_sample_and_spreads_bits() -> None:
+def test_ring_hash_is_a_bijection_on_a_sample_and_spreads_bits() -> None:
     keys = np.arange(100_000, dtype=np.int64)
-    h = mix64(keys)
+    h = ring_hash(keys)
     assert np.unique(h).size == keys.size
     assert abs(float(np.mean(h >> np.uint64(63))) - 0.5) < 0.01  # top bit balanced for consecutive ids
 
