@@ -51,9 +51,11 @@ class _CacheModule(TableStateModule):
     cache: CacheLike
     out_device: torch.device | None  # the ``device`` argument (None: the cache's device)
 
-    def __init__(self) -> None:
+    def __init__(self, cache: CacheLike) -> None:
         super().__init__()
         _keep_out_of_compile()
+        check_cache(cache)
+        self.cache = cache
 
     def _init_device(self, device: torch.device | str | None) -> None:
         try:
@@ -65,6 +67,10 @@ class _CacheModule(TableStateModule):
     def output_device(self) -> torch.device:
         """Where outputs go: the ``device`` argument, else the cache's device."""
         return self.out_device if self.out_device is not None else self.cache.device
+
+    def _rows(self, keys: dict[str, torch.Tensor], dims: Mapping[str, int], many: bool) -> list[torch.Tensor]:
+        """Rows of each table's unique ``keys``, which backward updates when training with gradients on."""
+        return cached_rows(Fetch(self.cache, keys, dims, many), self.training and torch.is_grad_enabled())
 
     def _device_repr(self) -> str:
         return f", device={str(self.out_device)!r}" if self.out_device is not None else ""
@@ -107,9 +113,7 @@ class CachedEmbedding(_CacheModule):
                  device: torch.device | str | None = None, *,
                  persist: str = "rows", checkpoint_dir: str | os.PathLike[str] | None = None,
                  max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
-        super().__init__()
-        check_cache(cache)
-        self.cache = cache
+        super().__init__(cache)
         self.table = table
         self.embedding_dim = table_config(cache, table).dim
         self.padding_idx = check_padding_idx(padding_idx)
@@ -130,8 +134,7 @@ class CachedEmbedding(_CacheModule):
         input = check_index_tensor("input", input, "")
         keys = input.reshape(-1).to(self.cache.device, torch.int64)
         ukeys, inverse = unique_and_inverse(keys, self.padding_idx)
-        fetch = Fetch(self.cache, {self.table: ukeys}, {self.table: self.embedding_dim}, many=False)
-        (rows,) = cached_rows(fetch, self.training and torch.is_grad_enabled())
+        (rows,) = self._rows({self.table: ukeys}, {self.table: self.embedding_dim}, many=False)
         weight, pad = with_padding_row(rows, self.padding_idx)
         out = F.embedding(inverse, weight, padding_idx=pad)
         return out.reshape(*input.shape, self.embedding_dim).to(self.output_device)
@@ -179,9 +182,7 @@ class CachedEmbeddingBag(_CacheModule):
                  padding_idx: int | None = None, device: torch.device | str | None = None, *,
                  persist: str = "rows", checkpoint_dir: str | os.PathLike[str] | None = None,
                  max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
-        super().__init__()
-        check_cache(cache)
-        self.cache = cache
+        super().__init__(cache)
         self.table = table
         self.embedding_dim = table_config(cache, table).dim
         self.mode = check_mode(mode)
@@ -208,8 +209,7 @@ class CachedEmbeddingBag(_CacheModule):
         bags = canonical_bags(input, offsets, per_sample_weights, self.include_last_offset, self.mode,
                                self.cache.device, self.output_device)
         ukeys, inverse = unique_and_inverse(bags.keys, self.padding_idx)
-        fetch = Fetch(self.cache, {self.table: ukeys}, {self.table: self.embedding_dim}, many=False)
-        (rows,) = cached_rows(fetch, self.training and torch.is_grad_enabled())
+        (rows,) = self._rows({self.table: ukeys}, {self.table: self.embedding_dim}, many=False)
         return pool(bags, inverse, rows, self.mode, self.padding_idx)
 
     def _state_tables(self) -> list[str]:
@@ -261,8 +261,7 @@ class CachedEmbeddingBagCollection(_CacheModule):
                  device: torch.device | str | None = None, *,
                  persist: str = "rows", checkpoint_dir: str | os.PathLike[str] | None = None,
                  max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
-        super().__init__()
-        check_cache(cache)
+        super().__init__(cache)
         if isinstance(features, Mapping):
             mapping = dict(features)
         elif isinstance(features, Sequence) and not isinstance(features, str):
@@ -277,7 +276,6 @@ class CachedEmbeddingBagCollection(_CacheModule):
         bad = [(f, t) for f, t in mapping.items() if not isinstance(f, str) or not isinstance(t, str)]
         if bad:
             raise ConfigError(f"feature and table names must be strings, got {bad[:4]}")
-        self.cache = cache
         self.features: dict[str, str] = mapping
         if isinstance(mode, Mapping):
             if set(mode) != set(mapping):
@@ -376,8 +374,7 @@ class CachedEmbeddingBagCollection(_CacheModule):
             keys = [bags[f].keys for f in feats]
             ukeys[table], inverse = torch.unique(torch.cat(keys) if len(keys) > 1 else keys[0], return_inverse=True)
             inverses.update(zip(feats, inverse.split([k.numel() for k in keys]), strict=True))
-        fetch = Fetch(self.cache, ukeys, self.table_dims, many=True)
-        rows = dict(zip(fetch.names, cached_rows(fetch, self.training and torch.is_grad_enabled()), strict=True))
+        rows = dict(zip(ukeys, self._rows(ukeys, self.table_dims, many=True), strict=True))
         out = {f: pool(bags[f], inverses[f], rows[t], self.modes[f]) for f, t in self.features.items()}
         return keyed_output(out, self.embedding_dims) if keyed else out
 
