@@ -1,6 +1,6 @@
 """embcache.nn under torch.compile: a model holding the modules compiles (inductor, CPU) and trains as in eager.
 
-The modules' forwards are ``torch.compiler.disable``d (see "torch.compile" in embcache/nn.py): the
+The modules' forwards are ``torch.compiler.disable``d (see "torch.compile" in embcache.nn): the
 dense layers around them compile, the cache calls run eagerly at a graph break, and their autograd
 node hands the gradients to the cache from the compiled backward.
 """

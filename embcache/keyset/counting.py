@@ -1,21 +1,11 @@
-"""Keysets: the unique keys of a pass (per table) with their access counts.
-
-A pass's keyset is what :meth:`EmbeddingCache.prefetch` stages and :meth:`EmbeddingCache.begin_pass`
-pins. Counts order the keys when not all of them fit in memory: the most frequent go first.
-
-Besides :class:`Keyset` itself this module computes keysets from training data and stores them:
+"""Keysets computed from training data: counted from batches or data-set files, and passes cut by budget.
 
 * :func:`keysets_from_batches` counts the keys of an iterable of batches (``{table: keys}``).
-* :func:`keysets_from_file` counts the keys of a data-set file: a ``.npy`` array of integer ids
-  ``[samples, columns]`` (one column per categorical feature; memory-mapped, read in chunks),
-  or several such files taken as one sequence of samples. ``tables[j]`` names the table of
-  column ``j``; columns that share a table are counted together.
-* :func:`split_passes` cuts such a data set into passes, by sample count and/or by a budget on
-  each pass's keyset (rows per table, or bytes given each table's row size), so that every pass
-  fits in HBM+DDR; each pass comes with its keysets.
-* :func:`save_keysets` / :func:`load_keysets` write and read one pass's keysets as a ``.npz``
-  file (keys and counts per table, a format name and version, optional JSON metadata); loading
-  validates everything and raises :class:`KeysetFileError` on a damaged or mismatched file.
+* :func:`keysets_from_file` counts the keys of ``.npy`` data-set files of integer ids
+  ``[samples, columns]`` (memory-mapped, read in chunks), one table per column.
+* :func:`split_passes` cuts such a data set into passes (:class:`PassSpan`, each with its
+  keysets), by sample count and/or a budget on each pass's keyset; a chunk alone above the
+  budget becomes a pass by itself with a :class:`KeysetBudgetWarning`.
 
 Counting is vectorized: each chunk of keys is reduced with ``torch.unique`` and partial counts
 are merged the same way, never per key in Python. Long extractions show a tqdm progress bar.
@@ -23,154 +13,27 @@ are merged the same way, never per key in Python. Long extractions show a tqdm p
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
-import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from .errors import ConfigError, InvalidKeysError
-from .keys import as_key_tensor
+from ..errors import ConfigError, InvalidKeysError
+from .keyset import EMPTY_KEYSET, Keyset, KeysetFileError, PathLike, host_keys, merge_all
 
-__all__ = [
-    "KEYSET_FORMAT",
-    "KEYSET_VERSION",
-    "Keyset",
-    "KeysetBudgetWarning",
-    "KeysetFileError",
-    "PassSpan",
-    "as_keysets",
-    "keyset_file_meta",
-    "keysets_from_batches",
-    "keysets_from_file",
-    "load_keysets",
-    "save_keysets",
-    "split_passes",
-]
+__all__ = ["KeysetBudgetWarning", "PassSpan", "keysets_from_batches", "keysets_from_file", "split_passes"]
 
-KEYSET_FORMAT = "embcache-keyset"
-KEYSET_VERSION = 1
-
-PathLike = Union[str, "os.PathLike[str]"]
-
-
-class KeysetFileError(InvalidKeysError):
-    """A keyset file, or a data-set file keys are read from, is missing, damaged or not what was expected."""
+#: A batch of training data, whatever the data loader yields (``keys_of`` reads its keys).
+Batch = TypeVar("Batch")
 
 
 class KeysetBudgetWarning(UserWarning):
     """A single chunk of samples has a keyset above the pass budget; it became a pass on its own."""
-
-
-@dataclass(frozen=True)
-class Keyset:
-    """Unique keys of one table with access counts.
-
-    Args:
-        keys: int64 [n], unique, ascending; moved to the host if given on another device.
-        counts: int64 [n], >= 1, accesses of each key in the pass; moved to the host likewise.
-    """
-
-    keys: torch.Tensor
-    counts: torch.Tensor
-
-    def __post_init__(self) -> None:
-        # A keyset is host data (the store and the pinning code read it there); keys built on a
-        # GPU would mix devices in contains() on every lookup and fail .numpy() in prefetch.
-        for name in ("keys", "counts"):
-            value = getattr(self, name)
-            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-                object.__setattr__(self, name, value.cpu())
-        if self.keys.dtype != torch.int64 or self.keys.dim() != 1:
-            raise InvalidKeysError(f"keyset keys must be int64 [n], got {self.keys.dtype} {tuple(self.keys.shape)}")
-        if self.counts.shape != self.keys.shape:
-            raise InvalidKeysError(f"keyset counts must match keys: {tuple(self.counts.shape)} vs "
-                                   f"{tuple(self.keys.shape)}")
-
-    @staticmethod
-    def from_keys(keys: Any) -> Keyset:
-        """The keyset of a key stream (int64 [n], duplicates counted)."""
-        k = _as_key_tensor(keys)
-        if k.numel() == 0:
-            return Keyset(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
-        uniq, counts = torch.unique(k, sorted=True, return_counts=True)
-        return Keyset(uniq, counts.to(torch.int64))
-
-    def __len__(self) -> int:
-        return int(self.keys.numel())
-
-    def hottest_first(self) -> torch.Tensor:
-        """Keys ordered by count, most frequent first (ties by key, so the order is deterministic)."""
-        order = torch.argsort(self.counts, descending=True, stable=True)
-        return self.keys[order]
-
-    def contains(self, keys: torch.Tensor) -> torch.Tensor:
-        """Bool [m]: which of ``keys`` (int64 [m], CPU) are in this keyset."""
-        if self.keys.numel() == 0:
-            return torch.zeros(keys.shape, dtype=torch.bool)
-        pos = torch.searchsorted(self.keys, keys).clamp_(max=self.keys.numel() - 1)
-        return self.keys[pos] == keys
-
-    def merge(self, other: Keyset) -> Keyset:
-        """The keyset of both streams (counts added)."""
-        keys = torch.cat([self.keys, other.keys])
-        counts = torch.cat([self.counts, other.counts])
-        if keys.numel() == 0:
-            return self
-        uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
-        summed = torch.zeros(uniq.numel(), dtype=torch.int64).index_add_(0, inverse, counts)
-        return Keyset(uniq, summed)
-
-    @property
-    def accesses(self) -> int:
-        """Total accesses the keyset counts (the sum of ``counts``)."""
-        return int(self.counts.sum()) if self.counts.numel() else 0
-
-    def validate(self) -> None:
-        """Check the invariants a computed keyset has: keys strictly ascending, counts >= 1.
-
-        Raises:
-            InvalidKeysError: keys are not strictly ascending (unsorted or duplicated) or a count is < 1.
-        """
-        if self.keys.numel() > 1 and not bool((self.keys[1:] > self.keys[:-1]).all()):
-            raise InvalidKeysError("keyset keys must be unique and ascending")
-        if self.counts.dtype != torch.int64:
-            raise InvalidKeysError(f"keyset counts must be int64, got {self.counts.dtype}")
-        if self.counts.numel() and int(self.counts.min()) < 1:
-            raise InvalidKeysError("keyset counts must be >= 1")
-
-
-def _as_key_tensor(keys: Any) -> torch.Tensor:
-    return as_key_tensor(keys, flatten=True).to("cpu")
-
-
-def as_keysets(keysets: Mapping[str, Any]) -> dict[str, Keyset]:
-    """Normalize ``{table: Keyset or keys}`` to ``{table: Keyset}`` (raw keys are counted)."""
-    if not isinstance(keysets, Mapping):
-        raise InvalidKeysError(f"keysets must be a mapping of table name to keys, got {type(keysets).__name__}")
-    return {name: ks if isinstance(ks, Keyset) else Keyset.from_keys(ks) for name, ks in keysets.items()}
-
-
-_EMPTY = Keyset(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
-
-
-def _merge_all(parts: Sequence[Keyset]) -> Keyset:
-    """One keyset of many partial keysets (one unique over all of them, counts added)."""
-    parts = [p for p in parts if len(p)]
-    if not parts:
-        return _EMPTY
-    if len(parts) == 1:
-        return parts[0]
-    keys = torch.cat([p.keys for p in parts])
-    counts = torch.cat([p.counts for p in parts])
-    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
-    return Keyset(uniq, torch.zeros(uniq.numel(), dtype=torch.int64).index_add_(0, inverse, counts))
 
 
 class _Counter:
@@ -189,7 +52,7 @@ class _Counter:
         self._merged: dict[str, Keyset] = {}
 
     def add(self, table: str, keys: Any) -> None:
-        k = _as_key_tensor(keys)
+        k = host_keys(keys)
         self._raw.setdefault(table, [])
         self._raw_n.setdefault(table, 0)
         if k.numel() == 0:
@@ -205,16 +68,16 @@ class _Counter:
             self._parts.setdefault(table, []).append(Keyset.from_keys(torch.cat(raw)))
             self._raw[table], self._raw_n[table] = [], 0
         parts = self._parts.get(table, [])
-        merged = self._merged.get(table, _EMPTY)
+        merged = self._merged.get(table, EMPTY_KEYSET)
         if parts and sum(len(p) for p in parts) >= max(len(merged), self._chunk_keys):
-            self._merged[table] = _merge_all([merged, *parts])
+            self._merged[table] = merge_all([merged, *parts])
             self._parts[table] = []
 
     def result(self) -> dict[str, Keyset]:
         out = {}
         for table in self._raw:
             self._reduce(table)
-            out[table] = _merge_all([self._merged.get(table, _EMPTY), *self._parts.get(table, [])])
+            out[table] = merge_all([self._merged.get(table, EMPTY_KEYSET), *self._parts.get(table, [])])
         return out
 
 
@@ -225,7 +88,7 @@ def _batch_keys(batch: Any) -> Mapping[str, Any]:
     return batch
 
 
-def keysets_from_batches(batches: Iterable[Any], keys_of: Callable[[Any], Mapping[str, Any]] | None = None, *,
+def keysets_from_batches(batches: Iterable[Batch], keys_of: Callable[[Batch], Mapping[str, Any]] | None = None, *,
                          total: int | None = None, progress: bool = True, desc: str = "keyset",
                          chunk_keys: int = 1 << 22) -> dict[str, Keyset]:
     """The keyset per table of a stream of batches (unique keys with their access counts).
@@ -526,125 +389,3 @@ def split_passes(paths: PathLike | Sequence[PathLike], tables: Sequence[str] | N
                 close(pos)
         close(pos)
     return passes
-
-
-# ---------------------------------------------------------------------------------------- files
-def save_keysets(path: PathLike, keysets: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None) -> None:
-    """Write one pass's keysets to ``path`` (a ``.npz``), atomically.
-
-    Args:
-        path: the file to write (replaced if it exists; ``.npz`` is not appended).
-        keysets: ``{table: Keyset or keys}``.
-        meta: JSON-serializable metadata stored with them (e.g. the pass index, the data range).
-
-    Raises:
-        InvalidKeysError: keysets are not a mapping of valid keysets.
-        ConfigError: ``meta`` is not JSON-serializable.
-    """
-    ks = as_keysets(keysets)
-    for k in ks.values():
-        k.validate()
-    try:
-        meta_json = json.dumps(dict(meta or {}), sort_keys=True)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"keyset metadata must be JSON-serializable: {exc}") from None
-    header = {"format": KEYSET_FORMAT, "version": KEYSET_VERSION, "tables": sorted(ks), "meta": json.loads(meta_json)}
-    arrays: dict[str, np.ndarray] = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)}
-    for i, name in enumerate(sorted(ks)):
-        arrays[f"keys_{i}"] = ks[name].keys.numpy()
-        arrays[f"counts_{i}"] = ks[name].counts.numpy()
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _read_header(path: str, npz: Any) -> dict[str, Any]:
-    if "header" not in npz.files:
-        raise KeysetFileError(f"{path!r} is not an embcache keyset file (no header)")
-    try:
-        header = json.loads(bytes(npz["header"]).decode())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise KeysetFileError(f"{path!r}: damaged keyset header: {exc}") from None
-    if not isinstance(header, dict) or header.get("format") != KEYSET_FORMAT:
-        raise KeysetFileError(f"{path!r} is not an embcache keyset file (format {header.get('format')!r})"
-                              if isinstance(header, dict) else f"{path!r}: damaged keyset header")
-    if header.get("version") != KEYSET_VERSION:
-        raise KeysetFileError(f"{path!r} has keyset format version {header.get('version')!r}; "
-                              f"this embcache reads version {KEYSET_VERSION}")
-    if not isinstance(header.get("tables"), list) or not all(isinstance(t, str) for t in header["tables"]):
-        raise KeysetFileError(f"{path!r}: damaged keyset header (tables)")
-    return header
-
-
-def _open_npz(path: PathLike) -> tuple[str, Any]:
-    p = os.fspath(path)
-    try:
-        return p, np.load(p, allow_pickle=False)
-    except FileNotFoundError:
-        raise KeysetFileError(f"keyset file {p!r} does not exist") from None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise KeysetFileError(f"{p!r} is not a readable keyset file: {exc}") from None
-
-
-def keyset_file_meta(path: PathLike) -> dict[str, Any]:
-    """The metadata saved with a keyset file (see :func:`save_keysets`).
-
-    Raises:
-        KeysetFileError: the file is missing, damaged, or not a keyset file of this version.
-    """
-    p, npz = _open_npz(path)
-    with npz:
-        meta = _read_header(p, npz).get("meta", {})
-    return dict(meta) if isinstance(meta, dict) else {}
-
-
-def load_keysets(path: PathLike, tables: Iterable[str] | None = None) -> dict[str, Keyset]:
-    """Read one pass's keysets written by :func:`save_keysets`, validating them.
-
-    Args:
-        path: the ``.npz`` file.
-        tables: the tables the caller expects; the file must hold exactly these (default: any).
-
-    Returns:
-        ``{table: Keyset}``.
-
-    Raises:
-        KeysetFileError: the file is missing or damaged, of another format or version, holds
-            other tables than ``tables``, or its arrays break a keyset's invariants (int64 1-D
-            keys strictly ascending, counts >= 1 of the same length).
-    """
-    p, npz = _open_npz(path)
-    out: dict[str, Keyset] = {}
-    with npz:
-        header = _read_header(p, npz)
-        names: list[str] = header["tables"]
-        if tables is not None:
-            want = sorted(set(tables))
-            if want != sorted(names):
-                raise KeysetFileError(f"{p!r} holds keysets of tables {sorted(names)}, expected {want}")
-        for i, name in enumerate(names):
-            try:
-                keys, counts = npz[f"keys_{i}"], npz[f"counts_{i}"]
-            except KeyError:
-                raise KeysetFileError(f"{p!r}: the arrays of table {name!r} are missing") from None
-            except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-                raise KeysetFileError(f"{p!r}: the arrays of table {name!r} are damaged: {exc}") from None
-            if keys.dtype != np.int64 or counts.dtype != np.int64 or keys.ndim != 1 or keys.shape != counts.shape:
-                raise KeysetFileError(f"{p!r}: table {name!r} must have int64 keys and counts [n] of the same "
-                                      f"length, got {keys.dtype} {keys.shape} and {counts.dtype} {counts.shape}")
-            ks = Keyset(torch.from_numpy(keys), torch.from_numpy(counts))
-            try:
-                ks.validate()
-            except InvalidKeysError as exc:
-                raise KeysetFileError(f"{p!r}: table {name!r}: {exc}") from None
-            out[name] = ks
-    return out
-
