@@ -108,7 +108,8 @@ def test_only_the_server_benchmark_goes_stale_when_only_server_or_client_code_ch
     for b in (server, scale):
         commit = runner.latest_change(b)["commit"]
         assert commit is not None
-        changed = _git("show", "--format=", "--name-only", commit).splitlines()
+        # against the first parent: a merge's own --name-only lists only what differs from every parent
+        changed = _git("diff", "--name-only", f"{commit}^1", commit).splitlines()
         relevant = [p for p in changed if p == f"bench/{b.script}" or (
             p.startswith("embcache/") and (b.served or not p.startswith(runner.SERVED_CODE)))]
         assert relevant, (b.name, commit, changed)
