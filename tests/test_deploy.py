@@ -342,7 +342,7 @@ def test_latency_histogram_passes_promtool_check_metrics(exporter: tuple[Embeddi
 
 # ------------------------------------------------------------------ Kubernetes and the image
 def test_kubernetes_manifests_validate_strict() -> None:
-    assert {p.name for p in MANIFESTS} >= {"statefulset.yaml", "service.yaml", "configmap.yaml"}
+    assert {p.name for p in MANIFESTS} >= {"statefulset.yaml", "service.yaml", "configmap.yaml", "networkpolicy.yaml"}
     out = run([tool("kubernetes-validate"), "--strict", *map(str, MANIFESTS)])
     assert out.returncode == 0, out.stdout + out.stderr
     assert (out.stdout + out.stderr).count(" passed for resource ") == len(MANIFESTS)
@@ -413,6 +413,64 @@ def test_server_accepts_the_manifests_config_and_flags(tmp_path: Path) -> None:
     # killing the pod; the drain refuses new calls for a while, so that clients resend them.
     assert settings.drain_seconds > 0
     assert pod["terminationGracePeriodSeconds"] >= settings.drain_seconds + settings.grace_seconds + 60
+
+
+def test_network_policy_admits_clients_prometheus_and_peers_only() -> None:
+    """gRPC from labelled clients and the shards, metrics from Prometheus's pods in its namespace, egress to peers."""
+    m = manifests()
+    policy, pod = m["NetworkPolicy"]["spec"], m["StatefulSet"]["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    shard = {"app.kubernetes.io/name": labels["app.kubernetes.io/name"]}
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]  # both directions default to deny
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"] for p in container["ports"]}
+    ingress = {p["port"]: rule["from"] for rule in policy["ingress"] for p in rule["ports"]}
+    # Ports by the container's names (no number to drift), every one of them admitted by one rule.
+    assert set(ingress) == ports == {"grpc", "metrics"} and len(policy["ingress"]) == 2
+    assert all(p["protocol"] == "TCP" for rule in policy["ingress"] for p in rule["ports"])
+    # gRPC: pods labelled as clients in any namespace, and the shards (`embcache reshard` runs in one).
+    clients = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"embcache.io/client": "true"}}}
+    assert ingress["grpc"] == [clients, {"podSelector": {"matchLabels": shard}}]
+    # Metrics: Prometheus's pods AND its namespace (one peer holding both selectors; two peers would be an OR).
+    assert ingress["metrics"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    # Egress: the other shards' gRPC port (resharding) and the cluster's DNS, nothing else.
+    peers, dns = policy["egress"]
+    assert peers == {"to": [{"podSelector": {"matchLabels": shard}}], "ports": [{"port": "grpc", "protocol": "TCP"}]}
+    assert dns["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+    assert sorted((p["port"], p["protocol"]) for p in dns["ports"]) == [(53, "TCP"), (53, "UDP")]
+    # The README's scale-up procedure needs this path: a reshard run inside a shard's pod.
+    readme = (DEPLOY / "README.md").read_text()
+    assert "kubectl -n embcache exec embcache-0 -- sh -c 'exec embcache reshard --token" in readme
+
+
+def test_auth_secret_is_mounted_where_the_server_reads_its_tokens(tmp_path: Path) -> None:
+    """The Secret's keys are files in a read-only mount, at the paths the server's token flags name."""
+    from embcache.server.main import load_settings
+
+    m = manifests()
+    pod = m["StatefulSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    ((volume, secret),) = secrets.items()
+    assert secret["secretName"] == "embcache-auth" and not secret.get("optional", False)  # no Secret, no start
+    (mount,) = [v for v in container["volumeMounts"] if v["name"] == volume]
+    assert mount["readOnly"] is True
+    files = {f"{mount['mountPath']}/{item['path']}": item["key"] for item in secret["items"]}
+    config = tmp_path / "server.toml"
+    config.write_text(m["ConfigMap"]["data"]["server.toml"])
+    settings, _ = load_settings([f"--config={config}" if a.startswith("--config=") else a for a in container["args"]])
+    assert settings.auth_token_files == [f"{mount['mountPath']}/tokens.txt"]
+    assert settings.auth_readonly_token_files == [f"{mount['mountPath']}/readonly-tokens.txt"]
+    assert set(settings.auth_token_files + settings.auth_readonly_token_files) == set(files)
+    # Readable by the server's group (the pod's fsGroup owns the files), by nobody else.
+    assert secret["defaultMode"] & 0o040 and not secret["defaultMode"] & 0o007 and pod["securityContext"]["fsGroup"]
+    # The README creates the Secret with exactly these keys, and no manifest ships a token.
+    readme = (DEPLOY / "README.md").read_text()
+    for key in files.values():
+        assert f"--from-file={key}" in readme, key
+    assert "Secret" not in m
 
 
 def test_dockerfile_lint_and_consistency() -> None:
