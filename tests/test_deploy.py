@@ -39,6 +39,10 @@ try:
     import yaml
 except ImportError:  # PyYAML comes with kubernetes-validate (scripts/install-ci-tools.sh)
     yaml = None
+try:
+    import jsonschema
+except ImportError:  # a test dependency (pyproject.toml), also kubernetes-validate's
+    jsonschema = None
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -47,6 +51,10 @@ RULE_FILES = sorted((PROM / "rules").glob("*.yml"))
 DASHBOARD = DEPLOY / "grafana" / "embcache.json"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+# prometheus-operator objects: applied only where its CRDs are installed, so kept out of MANIFESTS.
+OPERATOR_MANIFESTS = sorted((DEPLOY / "kubernetes" / "prometheus-operator").glob("*.yaml"))
+# The CRDs' OpenAPI schemas, trimmed to the fields used (each file names its source version).
+CRD_SCHEMAS = REPO / "tests" / "data" / "crd-schemas"
 
 # Metrics the dashboard and rules use that an embedded cache does not export: the server's request
 # histogram (checked against a live server below).
@@ -92,6 +100,17 @@ def tool(name: str) -> str:
 def _needs_yaml() -> None:
     if yaml is None:
         missing("PyYAML")
+
+
+def prometheusrule_script() -> Any:
+    """scripts/prometheusrule.py as a module (it generates the PrometheusRule; RUNBOOK_BASE is its runbook base)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prometheusrule", REPO / "scripts" / "prometheusrule.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run(args: list[str], stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -471,6 +490,76 @@ def test_auth_secret_is_mounted_where_the_server_reads_its_tokens(tmp_path: Path
     for key in files.values():
         assert f"--from-file={key}" in readme, key
     assert "Secret" not in m
+
+
+def operator_manifests() -> dict[str, dict[str, Any]]:
+    docs = [d for p in OPERATOR_MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+def crd_schema(doc: dict[str, Any]) -> dict[str, Any]:
+    group, version = doc["apiVersion"].split("/")
+    path = CRD_SCHEMAS / f"{doc['kind'].lower()}.{group}-{version}.yaml"
+    assert path.is_file(), f"no vendored schema for {doc['kind']} {doc['apiVersion']}: {path.relative_to(REPO)}"
+    return dict(yaml.safe_load(path.read_text()))
+
+
+def test_prometheus_operator_objects_match_their_crd_schemas() -> None:
+    """kubernetes-validate knows no CRDs (it only warns), so the objects are checked against the CRDs' schemas."""
+    if jsonschema is None:
+        missing("jsonschema")
+    docs = [d for p in OPERATOR_MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+    assert sorted(d["kind"] for d in docs) == ["PrometheusRule", "ServiceMonitor"]  # one of each
+    for doc in docs:
+        schema = crd_schema(doc)
+        jsonschema.Draft4Validator.check_schema(schema)
+        errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+                  for e in jsonschema.Draft4Validator(schema).iter_errors(doc)]
+        assert not errors, (doc["kind"], errors)
+    # The same check refuses what the API server would: a misspelt field, a bad duration, a rule
+    # that is both alert and record, a relabeling with an invalid label name.
+    monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    bad = [
+        {**monitor, "spec": {**monitor["spec"], "endpoint": monitor["spec"]["endpoints"]}},
+        {**monitor, "spec": {**monitor["spec"], "endpoints": [{"port": "metrics", "interval": "15 s"}]}},
+        {**monitor, "spec": {**monitor["spec"], "endpoints": [{"port": "metrics", "relabelings": [
+            {"sourceLabels": ["pod-name"], "targetLabel": "instance"}]}]}},
+        {**rule, "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "record": "b", "expr": "1"}]}]}},
+        {**rule, "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "1", "for": "ten minutes"}]}]}},
+    ]
+    for doc in bad:
+        assert not jsonschema.Draft4Validator(crd_schema(doc)).is_valid(doc), doc["spec"]
+
+
+def test_servicemonitor_scrapes_the_shards_as_job_embcache() -> None:
+    """Its selector finds the Service, its port is the Service's metrics port, and the job is the one the rules use."""
+    m = manifests()
+    svc, pod = m["Service"], m["StatefulSet"]["spec"]["template"]
+    monitor = operator_manifests()["ServiceMonitor"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]} and endpoint["port"] == "metrics"
+    assert endpoint["path"] == pod["metadata"]["annotations"]["prometheus.io/path"]
+    # No jobLabel: the operator names the job after the Service, which is the job the rules select.
+    assert "jobLabel" not in monitor["spec"] and svc["metadata"]["name"] == "embcache"
+    _, alerts = load_rules()
+    assert all('job="embcache"' in expr for name, expr in alerts.items() if "up{" in expr or "process_" in expr)
+    # instance = the pod name, stable across restarts like the DNS-SRV config's
+    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "instance"}]
+
+
+def test_prometheusrule_carries_the_rule_files() -> None:
+    """The PrometheusRule holds the rule files' groups, and is what scripts/prometheusrule.py writes from them."""
+    script = prometheusrule_script()
+    doc = operator_manifests()["PrometheusRule"]
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    groups = [g for name in config["rule_files"] for g in yaml.safe_load((PROM / name).read_text())["groups"]]
+    assert doc["spec"]["groups"] == groups
+    assert sorted(PROM / name for name in config["rule_files"]) == RULE_FILES
+    out = run([sys.executable, "scripts/prometheusrule.py", "--check"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert script.OUT.read_text() == script.render()
 
 
 def test_dockerfile_lint_and_consistency() -> None:
