@@ -55,6 +55,7 @@ DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 OPERATOR_MANIFESTS = sorted((DEPLOY / "kubernetes" / "prometheus-operator").glob("*.yaml"))
 # The CRDs' OpenAPI schemas, trimmed to the fields used (each file names its source version).
 CRD_SCHEMAS = REPO / "tests" / "data" / "crd-schemas"
+RUNBOOKS = REPO / "docs" / "runbooks"
 
 # Metrics the dashboard and rules use that an embedded cache does not export: the server's request
 # histogram (checked against a live server below).
@@ -176,6 +177,64 @@ def test_every_rule_is_unit_tested() -> None:
     used = " ".join(exprs) + " ".join(alerts.values())
     untested = [name for name in records if not re.search(re.escape(name) + r"(?![\w:])", used)]
     assert not untested, f"recording rules no test evaluates: {untested}"
+
+
+# ------------------------------------------------------------------ runbooks
+def alert_rules() -> dict[str, dict[str, Any]]:
+    """Alert name -> its rule (expr, for, labels, annotations) of every rule file."""
+    return {rule["alert"]: rule for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
+            for rule in group["rules"] if "alert" in rule}
+
+
+def test_every_alert_links_its_runbook() -> None:
+    """Each alert's runbook_url is the runbook base + its name, and docs/runbooks/<alert>.md is its page."""
+    base = prometheusrule_script().RUNBOOK_BASE
+    # The base is an absolute URL (Alertmanager cannot resolve a path in the repository) ending in the pages' folder.
+    assert base.startswith("https://") and base.endswith(f"/{RUNBOOKS.relative_to(REPO).as_posix()}/")
+    alerts = alert_rules()
+    assert len(alerts) >= 14
+    index = (RUNBOOKS / "README.md").read_text()
+    for name, rule in alerts.items():
+        assert rule["annotations"].get("runbook_url") == f"{base}{name}.md", name
+        page = RUNBOOKS / f"{name}.md"
+        assert page.is_file(), f"{name} has no runbook: {page.relative_to(REPO)}"
+        text = page.read_text()
+        assert text.startswith(f"# {name}\n"), page.name
+        assert f"**Severity:** {rule['labels']['severity']}." in text, page.name
+        for section in ("## What it means", "## Confirm", "## What to do", "## Fixed when"):
+            assert f"\n{section}\n" in text, (page.name, section)
+        assert f"[{name}.md]({name}.md)" in index, f"docs/runbooks/README.md does not list {name}"
+    pages = {p.stem for p in RUNBOOKS.glob("*.md")} - {"README"}
+    assert pages == set(alerts), f"runbooks of no alert: {sorted(pages - set(alerts))}"
+
+
+def test_rule_unit_tests_assert_the_runbook_urls() -> None:
+    """promtool compares a firing alert's annotations exactly: each alert's tests name its runbook_url."""
+    alerts = alert_rules()
+    checked: set[str] = set()
+    for path in (PROM / "tests").glob("*.yml"):
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for t in case.get("alert_rule_test", []):
+                for expected in t.get("exp_alerts") or []:
+                    url = expected["exp_annotations"].get("runbook_url")
+                    assert url == alerts[t["alertname"]]["annotations"]["runbook_url"], (case["name"], t["alertname"])
+                    checked.add(t["alertname"])
+    assert checked == set(alerts), f"alerts whose runbook_url no test asserts: {set(alerts) - checked}"
+
+
+def test_runbooks_name_real_panels_sections_and_pages() -> None:
+    """A quoted name in a runbook is a dashboard panel or a deploy/README.md section; links lead to pages."""
+    dash = json.loads(DASHBOARD.read_text())
+    panels = {p["title"] for p in dashboard_panels(dash)}
+    readme = re.sub(r"```.*?```", "", (DEPLOY / "README.md").read_text(), flags=re.S)
+    sections = set(re.findall(r"^#+ (.+)$", readme, re.M)) | set(re.findall(r"\*\*([^*]+?)\.\*\*", readme))
+    for page in sorted(RUNBOOKS.glob("*.md")):
+        prose = re.sub(r"`[^`]*`", "", re.sub(r"```.*?```", "", page.read_text(), flags=re.S))
+        for quoted in re.findall(r'"([^"]+)"', prose):
+            name = " ".join(quoted.split())
+            assert name in panels | sections, f"{page.name}: {name!r} is no dashboard panel nor deploy/README section"
+        for target in re.findall(r"\]\(([^)#]+)\)", page.read_text()):
+            assert (RUNBOOKS / target).is_file(), f"{page.name} links to {target}, which does not exist"
 
 
 # ------------------------------------------------------------------ Grafana dashboard
@@ -324,6 +383,16 @@ def test_dashboard_and_rules_use_exported_metrics(exporter: tuple[EmbeddingCache
     dash_and_rules = " ".join(dashboard_queries()) + " ".join(alerts.values())
     for record in records:  # every recording rule is shown or alerted on
         assert re.search(re.escape(record) + r"(?![\w:])", dash_and_rules), record
+
+
+def test_runbooks_name_exported_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
+    """Every raw metric a runbook tells the operator to query is one the cache or the server exports."""
+    cache, port = exporter
+    exported = set(re.findall(r"^# TYPE (embcache_\w+) ", fetch(f"http://127.0.0.1:{port}/metrics"), re.M))
+    used = metric_names(" ".join(p.read_text() for p in RUNBOOKS.glob("*.md")))
+    assert len(used) >= 25
+    unknown = used - exported - NOT_FROM_EMBEDDED_CACHE - not_exported_yet(cache.stats())
+    assert not unknown, f"named in docs/runbooks but not exported: {sorted(unknown)}"
 
 
 def test_latency_histogram_passes_promtool_check_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
@@ -560,6 +629,19 @@ def test_prometheusrule_carries_the_rule_files() -> None:
     out = run([sys.executable, "scripts/prometheusrule.py", "--check"])
     assert out.returncode == 0, out.stdout + out.stderr
     assert script.OUT.read_text() == script.render()
+
+
+def test_prometheusrule_runbook_base_moves_only_the_links() -> None:
+    """``scripts/prometheusrule.py --runbook-base URL`` points every alert's runbook_url elsewhere, nothing else."""
+    script = prometheusrule_script()
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    groups = [g for name in config["rule_files"] for g in yaml.safe_load((PROM / name).read_text())["groups"]]
+    moved = yaml.safe_load(script.render("https://runbooks.example.com/embcache/"))
+    urls = [r["annotations"]["runbook_url"] for g in moved["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert urls and all(u.startswith("https://runbooks.example.com/embcache/Embcache") for u in urls)
+    for rule in (r for g in moved["spec"]["groups"] for r in g["rules"] if "alert" in r):
+        rule["annotations"]["runbook_url"] = script.RUNBOOK_BASE + rule["alert"] + ".md"
+    assert moved["spec"]["groups"] == groups
 
 
 def test_dockerfile_lint_and_consistency() -> None:
