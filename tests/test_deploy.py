@@ -39,6 +39,10 @@ try:
     import yaml
 except ImportError:  # PyYAML comes with kubernetes-validate (scripts/install-ci-tools.sh)
     yaml = None
+try:
+    import jsonschema
+except ImportError:  # a test dependency (pyproject.toml), also kubernetes-validate's
+    jsonschema = None
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -47,6 +51,11 @@ RULE_FILES = sorted((PROM / "rules").glob("*.yml"))
 DASHBOARD = DEPLOY / "grafana" / "embcache.json"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+# prometheus-operator objects: applied only where its CRDs are installed, so kept out of MANIFESTS.
+OPERATOR_MANIFESTS = sorted((DEPLOY / "kubernetes" / "prometheus-operator").glob("*.yaml"))
+# The CRDs' OpenAPI schemas, trimmed to the fields used (each file names its source version).
+CRD_SCHEMAS = REPO / "tests" / "data" / "crd-schemas"
+RUNBOOKS = REPO / "docs" / "runbooks"
 
 # Metrics the dashboard and rules use that an embedded cache does not export: the server's request
 # histogram (checked against a live server below).
@@ -92,6 +101,17 @@ def tool(name: str) -> str:
 def _needs_yaml() -> None:
     if yaml is None:
         missing("PyYAML")
+
+
+def prometheusrule_script() -> Any:
+    """scripts/prometheusrule.py as a module (it generates the PrometheusRule; RUNBOOK_BASE is its runbook base)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prometheusrule", REPO / "scripts" / "prometheusrule.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run(args: list[str], stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -157,6 +177,64 @@ def test_every_rule_is_unit_tested() -> None:
     used = " ".join(exprs) + " ".join(alerts.values())
     untested = [name for name in records if not re.search(re.escape(name) + r"(?![\w:])", used)]
     assert not untested, f"recording rules no test evaluates: {untested}"
+
+
+# ------------------------------------------------------------------ runbooks
+def alert_rules() -> dict[str, dict[str, Any]]:
+    """Alert name -> its rule (expr, for, labels, annotations) of every rule file."""
+    return {rule["alert"]: rule for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
+            for rule in group["rules"] if "alert" in rule}
+
+
+def test_every_alert_links_its_runbook() -> None:
+    """Each alert's runbook_url is the runbook base + its name, and docs/runbooks/<alert>.md is its page."""
+    base = prometheusrule_script().RUNBOOK_BASE
+    # The base is an absolute URL (Alertmanager cannot resolve a path in the repository) ending in the pages' folder.
+    assert base.startswith("https://") and base.endswith(f"/{RUNBOOKS.relative_to(REPO).as_posix()}/")
+    alerts = alert_rules()
+    assert len(alerts) >= 14
+    index = (RUNBOOKS / "README.md").read_text()
+    for name, rule in alerts.items():
+        assert rule["annotations"].get("runbook_url") == f"{base}{name}.md", name
+        page = RUNBOOKS / f"{name}.md"
+        assert page.is_file(), f"{name} has no runbook: {page.relative_to(REPO)}"
+        text = page.read_text()
+        assert text.startswith(f"# {name}\n"), page.name
+        assert f"**Severity:** {rule['labels']['severity']}." in text, page.name
+        for section in ("## What it means", "## Confirm", "## What to do", "## Fixed when"):
+            assert f"\n{section}\n" in text, (page.name, section)
+        assert f"[{name}.md]({name}.md)" in index, f"docs/runbooks/README.md does not list {name}"
+    pages = {p.stem for p in RUNBOOKS.glob("*.md")} - {"README"}
+    assert pages == set(alerts), f"runbooks of no alert: {sorted(pages - set(alerts))}"
+
+
+def test_rule_unit_tests_assert_the_runbook_urls() -> None:
+    """promtool compares a firing alert's annotations exactly: each alert's tests name its runbook_url."""
+    alerts = alert_rules()
+    checked: set[str] = set()
+    for path in (PROM / "tests").glob("*.yml"):
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for t in case.get("alert_rule_test", []):
+                for expected in t.get("exp_alerts") or []:
+                    url = expected["exp_annotations"].get("runbook_url")
+                    assert url == alerts[t["alertname"]]["annotations"]["runbook_url"], (case["name"], t["alertname"])
+                    checked.add(t["alertname"])
+    assert checked == set(alerts), f"alerts whose runbook_url no test asserts: {set(alerts) - checked}"
+
+
+def test_runbooks_name_real_panels_sections_and_pages() -> None:
+    """A quoted name in a runbook is a dashboard panel or a deploy/README.md section; links lead to pages."""
+    dash = json.loads(DASHBOARD.read_text())
+    panels = {p["title"] for p in dashboard_panels(dash)}
+    readme = re.sub(r"```.*?```", "", (DEPLOY / "README.md").read_text(), flags=re.S)
+    sections = set(re.findall(r"^#+ (.+)$", readme, re.M)) | set(re.findall(r"\*\*([^*]+?)\.\*\*", readme))
+    for page in sorted(RUNBOOKS.glob("*.md")):
+        prose = re.sub(r"`[^`]*`", "", re.sub(r"```.*?```", "", page.read_text(), flags=re.S))
+        for quoted in re.findall(r'"([^"]+)"', prose):
+            name = " ".join(quoted.split())
+            assert name in panels | sections, f"{page.name}: {name!r} is no dashboard panel nor deploy/README section"
+        for target in re.findall(r"\]\(([^)#]+)\)", page.read_text()):
+            assert (RUNBOOKS / target).is_file(), f"{page.name} links to {target}, which does not exist"
 
 
 # ------------------------------------------------------------------ Grafana dashboard
@@ -307,6 +385,16 @@ def test_dashboard_and_rules_use_exported_metrics(exporter: tuple[EmbeddingCache
         assert re.search(re.escape(record) + r"(?![\w:])", dash_and_rules), record
 
 
+def test_runbooks_name_exported_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
+    """Every raw metric a runbook tells the operator to query is one the cache or the server exports."""
+    cache, port = exporter
+    exported = set(re.findall(r"^# TYPE (embcache_\w+) ", fetch(f"http://127.0.0.1:{port}/metrics"), re.M))
+    used = metric_names(" ".join(p.read_text() for p in RUNBOOKS.glob("*.md")))
+    assert len(used) >= 25
+    unknown = used - exported - NOT_FROM_EMBEDDED_CACHE - not_exported_yet(cache.stats())
+    assert not unknown, f"named in docs/runbooks but not exported: {sorted(unknown)}"
+
+
 def test_latency_histogram_passes_promtool_check_metrics(exporter: tuple[EmbeddingCache, int]) -> None:
     """The store latency histogram is valid exposition text with durations in every bucket, +Inf included.
 
@@ -342,7 +430,7 @@ def test_latency_histogram_passes_promtool_check_metrics(exporter: tuple[Embeddi
 
 # ------------------------------------------------------------------ Kubernetes and the image
 def test_kubernetes_manifests_validate_strict() -> None:
-    assert {p.name for p in MANIFESTS} >= {"statefulset.yaml", "service.yaml", "configmap.yaml"}
+    assert {p.name for p in MANIFESTS} >= {"statefulset.yaml", "service.yaml", "configmap.yaml", "networkpolicy.yaml"}
     out = run([tool("kubernetes-validate"), "--strict", *map(str, MANIFESTS)])
     assert out.returncode == 0, out.stdout + out.stderr
     assert (out.stdout + out.stderr).count(" passed for resource ") == len(MANIFESTS)
@@ -413,6 +501,147 @@ def test_server_accepts_the_manifests_config_and_flags(tmp_path: Path) -> None:
     # killing the pod; the drain refuses new calls for a while, so that clients resend them.
     assert settings.drain_seconds > 0
     assert pod["terminationGracePeriodSeconds"] >= settings.drain_seconds + settings.grace_seconds + 60
+
+
+def test_network_policy_admits_clients_prometheus_and_peers_only() -> None:
+    """gRPC from labelled clients and the shards, metrics from Prometheus's pods in its namespace, egress to peers."""
+    m = manifests()
+    policy, pod = m["NetworkPolicy"]["spec"], m["StatefulSet"]["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    shard = {"app.kubernetes.io/name": labels["app.kubernetes.io/name"]}
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]  # both directions default to deny
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"] for p in container["ports"]}
+    ingress = {p["port"]: rule["from"] for rule in policy["ingress"] for p in rule["ports"]}
+    # Ports by the container's names (no number to drift), every one of them admitted by one rule.
+    assert set(ingress) == ports == {"grpc", "metrics"} and len(policy["ingress"]) == 2
+    assert all(p["protocol"] == "TCP" for rule in policy["ingress"] for p in rule["ports"])
+    # gRPC: pods labelled as clients in any namespace, and the shards (`embcache reshard` runs in one).
+    clients = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"embcache.io/client": "true"}}}
+    assert ingress["grpc"] == [clients, {"podSelector": {"matchLabels": shard}}]
+    # Metrics: Prometheus's pods AND its namespace (one peer holding both selectors; two peers would be an OR).
+    assert ingress["metrics"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    # Egress: the other shards' gRPC port (resharding) and the cluster's DNS, nothing else.
+    peers, dns = policy["egress"]
+    assert peers == {"to": [{"podSelector": {"matchLabels": shard}}], "ports": [{"port": "grpc", "protocol": "TCP"}]}
+    assert dns["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+    assert sorted((p["port"], p["protocol"]) for p in dns["ports"]) == [(53, "TCP"), (53, "UDP")]
+    # The README's scale-up procedure needs this path: a reshard run inside a shard's pod.
+    readme = (DEPLOY / "README.md").read_text()
+    assert "kubectl -n embcache exec embcache-0 -- sh -c 'exec embcache reshard --token" in readme
+
+
+def test_auth_secret_is_mounted_where_the_server_reads_its_tokens(tmp_path: Path) -> None:
+    """The Secret's keys are files in a read-only mount, at the paths the server's token flags name."""
+    from embcache.server.main import load_settings
+
+    m = manifests()
+    pod = m["StatefulSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    ((volume, secret),) = secrets.items()
+    assert secret["secretName"] == "embcache-auth" and not secret.get("optional", False)  # no Secret, no start
+    (mount,) = [v for v in container["volumeMounts"] if v["name"] == volume]
+    assert mount["readOnly"] is True
+    files = {f"{mount['mountPath']}/{item['path']}": item["key"] for item in secret["items"]}
+    config = tmp_path / "server.toml"
+    config.write_text(m["ConfigMap"]["data"]["server.toml"])
+    settings, _ = load_settings([f"--config={config}" if a.startswith("--config=") else a for a in container["args"]])
+    assert settings.auth_token_files == [f"{mount['mountPath']}/tokens.txt"]
+    assert settings.auth_readonly_token_files == [f"{mount['mountPath']}/readonly-tokens.txt"]
+    assert set(settings.auth_token_files + settings.auth_readonly_token_files) == set(files)
+    # Readable by the server's group (the pod's fsGroup owns the files), by nobody else.
+    assert secret["defaultMode"] & 0o040 and not secret["defaultMode"] & 0o007 and pod["securityContext"]["fsGroup"]
+    # The README creates the Secret with exactly these keys, and no manifest ships a token.
+    readme = (DEPLOY / "README.md").read_text()
+    for key in files.values():
+        assert f"--from-file={key}" in readme, key
+    assert "Secret" not in m
+
+
+def operator_manifests() -> dict[str, dict[str, Any]]:
+    docs = [d for p in OPERATOR_MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+def crd_schema(doc: dict[str, Any]) -> dict[str, Any]:
+    group, version = doc["apiVersion"].split("/")
+    path = CRD_SCHEMAS / f"{doc['kind'].lower()}.{group}-{version}.yaml"
+    assert path.is_file(), f"no vendored schema for {doc['kind']} {doc['apiVersion']}: {path.relative_to(REPO)}"
+    return dict(yaml.safe_load(path.read_text()))
+
+
+def test_prometheus_operator_objects_match_their_crd_schemas() -> None:
+    """kubernetes-validate knows no CRDs (it only warns), so the objects are checked against the CRDs' schemas."""
+    if jsonschema is None:
+        missing("jsonschema")
+    docs = [d for p in OPERATOR_MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+    assert sorted(d["kind"] for d in docs) == ["PrometheusRule", "ServiceMonitor"]  # one of each
+    for doc in docs:
+        schema = crd_schema(doc)
+        jsonschema.Draft4Validator.check_schema(schema)
+        errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+                  for e in jsonschema.Draft4Validator(schema).iter_errors(doc)]
+        assert not errors, (doc["kind"], errors)
+    # The same check refuses what the API server would: a misspelt field, a bad duration, a rule
+    # that is both alert and record, a relabeling with an invalid label name.
+    monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    bad = [
+        {**monitor, "spec": {**monitor["spec"], "endpoint": monitor["spec"]["endpoints"]}},
+        {**monitor, "spec": {**monitor["spec"], "endpoints": [{"port": "metrics", "interval": "15 s"}]}},
+        {**monitor, "spec": {**monitor["spec"], "endpoints": [{"port": "metrics", "relabelings": [
+            {"sourceLabels": ["pod-name"], "targetLabel": "instance"}]}]}},
+        {**rule, "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "record": "b", "expr": "1"}]}]}},
+        {**rule, "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "1", "for": "ten minutes"}]}]}},
+    ]
+    for doc in bad:
+        assert not jsonschema.Draft4Validator(crd_schema(doc)).is_valid(doc), doc["spec"]
+
+
+def test_servicemonitor_scrapes_the_shards_as_job_embcache() -> None:
+    """Its selector finds the Service, its port is the Service's metrics port, and the job is the one the rules use."""
+    m = manifests()
+    svc, pod = m["Service"], m["StatefulSet"]["spec"]["template"]
+    monitor = operator_manifests()["ServiceMonitor"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]} and endpoint["port"] == "metrics"
+    assert endpoint["path"] == pod["metadata"]["annotations"]["prometheus.io/path"]
+    # No jobLabel: the operator names the job after the Service, which is the job the rules select.
+    assert "jobLabel" not in monitor["spec"] and svc["metadata"]["name"] == "embcache"
+    _, alerts = load_rules()
+    assert all('job="embcache"' in expr for name, expr in alerts.items() if "up{" in expr or "process_" in expr)
+    # instance = the pod name, stable across restarts like the DNS-SRV config's
+    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "instance"}]
+
+
+def test_prometheusrule_carries_the_rule_files() -> None:
+    """The PrometheusRule holds the rule files' groups, and is what scripts/prometheusrule.py writes from them."""
+    script = prometheusrule_script()
+    doc = operator_manifests()["PrometheusRule"]
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    groups = [g for name in config["rule_files"] for g in yaml.safe_load((PROM / name).read_text())["groups"]]
+    assert doc["spec"]["groups"] == groups
+    assert sorted(PROM / name for name in config["rule_files"]) == RULE_FILES
+    out = run([sys.executable, "scripts/prometheusrule.py", "--check"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert script.OUT.read_text() == script.render()
+
+
+def test_prometheusrule_runbook_base_moves_only_the_links() -> None:
+    """``scripts/prometheusrule.py --runbook-base URL`` points every alert's runbook_url elsewhere, nothing else."""
+    script = prometheusrule_script()
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    groups = [g for name in config["rule_files"] for g in yaml.safe_load((PROM / name).read_text())["groups"]]
+    moved = yaml.safe_load(script.render("https://runbooks.example.com/embcache/"))
+    urls = [r["annotations"]["runbook_url"] for g in moved["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert urls and all(u.startswith("https://runbooks.example.com/embcache/Embcache") for u in urls)
+    for rule in (r for g in moved["spec"]["groups"] for r in g["rules"] if "alert" in r):
+        rule["annotations"]["runbook_url"] = script.RUNBOOK_BASE + rule["alert"] + ".md"
+    assert moved["spec"]["groups"] == groups
 
 
 def test_dockerfile_lint_and_consistency() -> None:
