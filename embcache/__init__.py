@@ -2,12 +2,20 @@
 
 >>> from embcache import EmbeddingCache, CacheConfig, TableConfig
 >>> cache = EmbeddingCache(CacheConfig(path="./data"), tables=[TableConfig(name="user", dim=64)])
+
+The embedded cache needs only the core install; :class:`Client` and the fleet's errors
+(``DataLossError``, ``ShardRestartedError``) need gRPC, ``pip install 'embcache[server]'``, and are
+imported on first use, so ``import embcache`` works without it.
 """
 
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
 from . import nn
+from ._extras import missing_extra
 from ._version import version as _version
 from .cache import EmbeddingCache
-from .client import Client
 from .config import CacheConfig, TableConfig
 from .errors import (
     BatchTooLargeError,
@@ -28,19 +36,43 @@ from .errors import (
 )
 from .keyset import Keyset
 from .prefetch import LookAhead, PrefetchFuture
-from .rpc.errors import DataLossError, ShardRestartedError
 from .types import Initializer, Optimizer, PolicyName, StoreKind, Tier
 
+if TYPE_CHECKING:
+    from .client import Client
+    from .rpc.errors import DataLossError, ShardRestartedError
+
 __version__ = _version()
+
+# The names that need the server extra (gRPC): imported by __getattr__ on first use.
+_SERVER_NAMES = {"Client": ".client", "DataLossError": ".rpc.errors", "ShardRestartedError": ".rpc.errors"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _SERVER_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module, __name__), name)
+    except ImportError as exc:
+        err = missing_extra(exc, f"embcache.{name}")
+        if err is exc:
+            raise
+        raise err from exc
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SERVER_NAMES])
+
 
 __all__ = [
     "BatchTooLargeError",
     "CacheClosedError",
     "CacheConfig",
     "CheckpointExistsError",
-    "Client",
     "ConfigError",
-    "DataLossError",
     "EmbcacheError",
     "EmbeddingCache",
     "Initializer",
@@ -54,7 +86,6 @@ __all__ = [
     "PassStateError",
     "PolicyName",
     "PrefetchFuture",
-    "ShardRestartedError",
     "StoreError",
     "StoreFullError",
     "StoreKind",
@@ -65,3 +96,6 @@ __all__ = [
     "UnknownTableError",
     "nn",
 ]
+# `from embcache import *` takes the server's names only where the server extra is installed.
+if importlib.util.find_spec("grpc") is not None:
+    __all__ += ["Client", "DataLossError", "ShardRestartedError"]

@@ -223,12 +223,12 @@ def report_markdown(r: SizingReport) -> str:
 
 
 def _pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend, or a clear error (matplotlib is a dependency of embcache)."""
+    """matplotlib.pyplot on the Agg backend, or a clear error (matplotlib comes with the sizing extra)."""
     try:
         import matplotlib
     except ImportError as exc:
         raise ImportError("embcache sizing plots its curves with matplotlib, which is not installed: "
-                          "pip install 'matplotlib>=3.7' (a dependency of embcache)") from exc
+                          "pip install 'embcache[sizing]'") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

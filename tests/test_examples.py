@@ -141,3 +141,13 @@ def test_generator_drifts_between_passes(tmp_path: Any) -> None:
         tops.append(set(ids[np.argsort(-counts)[:20]].tolist()))
     assert tops[0] != tops[1] != tops[2]  # new ids become hot
     assert len(tops[0] & tops[1]) >= 5  # while much of the hot set stays
+
+
+def test_embedded_example_trains(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    # examples/embedded.py: the core install's example (tests/test_packaging.py runs it from the wheel)
+    from examples import embedded
+
+    result = embedded.main(["--steps", "30", "--path", str(tmp_path / "cache")])
+    assert result["last_loss"] < result["first_loss"]
+    assert "HBM hit ratio" in capsys.readouterr().out
+    assert os.listdir(tmp_path / "cache")  # the store lives where --path says
