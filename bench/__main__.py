@@ -6,7 +6,7 @@ Run from the repository root::
     .venv/bin/python -m bench --quick         # every benchmark in its quick mode
     .venv/bin/python -m bench --only cache,scale --quick
     .venv/bin/python -m bench --only index,gpu --device cuda   # the GPU cases (HBM tier on the GPU)
-    .venv/bin/python -m bench --report-only   # the report (and README section) from the results there
+    .venv/bin/python -m bench --report-only   # the report (and docs/benchmarks.md) from the results there
 
 Each benchmark is its own script (``bench/bench_*.py``; its docstring states its method and
 command) and runs here as a subprocess, so one that fails or lacks a peer (FBGEMM, Redis) is
@@ -35,9 +35,9 @@ fail with that reason. ``big`` (a table about twice the RAM, ~45 GB of disk, ~30
 ``halflife`` (a tuning sweep) run in full mode only.
 
 ``--out DIR`` sends every benchmark's results (``--out DIR`` is passed on) and the report to
-``DIR`` instead of ``bench/results/`` (for trial runs), and leaves README.md alone; so does
+``DIR`` instead of ``bench/results/`` (for trial runs), and leaves docs/benchmarks.md alone; so does
 ``--no-readme``. Only a full run or ``--report-only`` into ``bench/results/`` rewrites the part
-of README.md's performance section between its markers.
+of docs/benchmarks.md between its markers.
 
 To compare two revisions of ``embcache/`` instead (a refactoring that must not slow anything
 down), ``python -m bench.ab --base REV`` runs chosen benchmarks alternately against a worktree of
@@ -300,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="device for the benchmarks that can use a GPU (index, gpu); auto: CUDA when present")
     ap.add_argument("--out", type=Path, default=RESULTS,
-                    help="results and report directory (default bench/results; another one leaves README.md alone)")
-    ap.add_argument("--no-readme", action="store_true", help="do not rewrite README.md's performance section")
+                    help="results and report directory (default bench/results; others leave docs/benchmarks.md)")
+    ap.add_argument("--no-readme", action="store_true", help="do not rewrite docs/benchmarks.md's generated section")
     args = ap.parse_args(argv)
     wanted = None if args.only is None else args.only.split(",")
     unknown = sorted(set(wanted or ()) - {b.name for b in benches})
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.quick and not args.no_readme and out.resolve() == RESULTS.resolve():
         report = json.loads(stem.with_suffix(".json").read_text())
-        print("README.md performance section " + ("updated" if update_readme(report) else "not found (no markers)"))
+        print("docs/benchmarks.md section " + ("updated" if update_readme(report) else "not found (no markers)"))
     print(f"wrote {stem.with_suffix('.md')} ({time.perf_counter() - t0:.0f} s)")
     return 0 if all(r["status"] in ("ok", "missing") or str(r["status"]).startswith("skipped")
                     for r in runs or []) else 1

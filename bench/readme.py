@@ -1,10 +1,14 @@
-"""Write the benchmark report's targets and plots into README.md's performance section.
+"""Write the benchmark report's targets and plots into the docs' benchmarks page (docs/benchmarks.md).
 
 The section lies between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``; everything
 outside the markers is left as it is. ``python -m bench`` calls this after a full run (and
 ``--report-only`` rebuilds it from the results already in ``bench/results/``); by hand::
 
     .venv/bin/python -m bench.readme            # from bench/results/report.json
+
+The section lived in README.md until the docs site (the module keeps its name). Plots are
+linked as ``../bench/results/NAME.png``, relative to the page, so that they show on GitHub; the
+site serves them through ``docs/hooks/repo_files.py``.
 
 A target's row comes from the newest result of each benchmark: the full run's where there is
 one, else the quick run's (marked "quick").
@@ -22,6 +26,7 @@ from bench._common import format_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 # (title, result stem) of the plots shown, in this order; a stem's full result is preferred
@@ -93,13 +98,14 @@ def section(report: dict[str, Any]) -> str:
     for title, stem in PLOTS:
         png = _plot(stem)
         if png is not None:
-            lines += ["", f"**{title}** (`bench/results/{png}`)", "", f"![{title}](bench/results/{png})"]
+            lines += ["", f"**{title}** (`bench/results/{png}`)", "", f"![{title}](../bench/results/{png})"]
     lines += ["", END]
     return "\n".join(lines)
 
 
-def update_readme(report: dict[str, Any], readme: Path = ROOT / "README.md") -> bool:
-    """Replace the section between the markers; False (README untouched) when they are missing."""
+def update_readme(report: dict[str, Any], readme: Path = PAGE) -> bool:
+    """Replace the section between the markers of docs/benchmarks.md (or ``readme``); False (page
+    untouched) when they are missing."""
     text = readme.read_text()
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
@@ -109,14 +115,15 @@ def update_readme(report: dict[str, Any], readme: Path = ROOT / "README.md") -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Update README.md from ``bench/results/report.json`` (or the path given)."""
+    """Update docs/benchmarks.md from ``bench/results/report.json`` (or the path given)."""
     args = sys.argv[1:] if argv is None else argv
     path = Path(args[0]) if args else RESULTS / "report.json"
     if not path.exists():
         print(f"{path} does not exist: run `.venv/bin/python -m bench` first", file=sys.stderr)
         return 1
     ok = update_readme(json.loads(path.read_text()))
-    print("README.md updated" if ok else f"README.md has no {BEGIN} ... {END} section; nothing written")
+    page = PAGE.relative_to(ROOT)
+    print(f"{page} updated" if ok else f"{page} has no {BEGIN} ... {END} section; nothing written")
     return 0 if ok else 1
 
 

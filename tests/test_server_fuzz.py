@@ -308,9 +308,10 @@ def test_token_roles_come_from_one_table_that_help_and_readme_show(
         assert err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED, (name, err)
     assert _rows(channel, "keep") == keep
     assert roles_text() in build_parser().format_help()
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("<!-- roles:begin -->\n", 1)[1].split("\n<!-- roles:end -->", 1)[0]
-    assert block == roles_text(markdown=True), "README's roles table is stale: paste roles_text(markdown=True)"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "operations" / "server.md").read_text()
+    block = page.split("<!-- roles:begin -->\n", 1)[1].split("\n<!-- roles:end -->", 1)[0]
+    assert block == roles_text(markdown=True), \
+        "docs/operations/server.md's roles table is stale: paste roles_text(markdown=True)"
 
 
 def test_malformed_health_checks_get_invalid_argument_and_health_still_answers(
