@@ -577,7 +577,7 @@ class EmbeddingCache:
 
     # ------------------------------------------------------------------ inspection
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Counters and occupancy per table and tier (plain dicts; see the README's "Statistics and metrics").
+        """Counters and occupancy per table and tier (plain dicts; see docs/operations/metrics.md).
 
         ``lookups`` = hbm hits + ddr hits + ssd hits + ssd created (per key occurrence).
         Each tier's ``misses`` are the key occurrences that reached it and were not served there:

@@ -835,3 +835,15 @@ def test_table_flags_are_typed_like_the_config_file() -> None:
         _parse_table("name=user,dim=sixty")
     with pytest.raises(ConfigError, match="lr"):
         _parse_table("name=user,dim=8,lr=fast")
+
+
+def test_an_empty_token_file_refuses_to_start_an_open_server(tmp_path: Path) -> None:
+    # A token file turns authentication on; an empty one (a Secret mounted before it was filled)
+    # used to start a server that let anyone in, without a word
+    empty = tmp_path / "tokens.txt"
+    empty.write_text("\n  \n")
+    out = subprocess.run([sys.executable, "-m", "embcache.server", "--path", str(tmp_path / "store"),
+                          "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--auth-token-file", str(empty)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "holds no token" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -27,7 +27,7 @@ _METHOD_PREFIX = f"/{SERVICE_NAME}/"
 #: The one table of token roles: every method of the service -> the role a bearer token needs to
 #: call it. "read": any token, read-only ones too (the call changes no row, table, pass, pin or
 #: file); "write": read-write tokens only. The server's token check, ``embcache-server --help``,
-#: the README's table (between its ``roles`` markers) and the tests all come from this table.
+#: the table in docs/operations/server.md (between its ``roles`` markers) and the tests all come from this table.
 #: ResidentKeys is a read: it lists keys and changes nothing. The resharding calls (GetShardMap
 #: ... CommitShardMap) are writes: only the operator's reshard makes them.
 ROLES: dict[str, str] = {
@@ -49,7 +49,7 @@ READ_METHODS = frozenset(m for m, role in ROLES.items() if role == "read")
 
 
 def roles_text(markdown: bool = False) -> str:
-    """The token roles of :data:`ROLES` in words: for ``--help``, or as the README's Markdown table."""
+    """The token roles of :data:`ROLES` in words: for ``--help``, or as a Markdown table (docs/operations/server.md)."""
     rows = [("read", "any token (read-only ones too)", sorted(READ_METHODS)),
             ("write", "read-write tokens only", sorted(WRITE_METHODS))]
     if markdown:
@@ -72,15 +72,21 @@ def read_tokens(paths: Sequence[str]) -> set[str]:
     """The tokens in these files (one per line; blank lines skipped).
 
     Raises:
-        ConfigError: a file could not be read.
+        ConfigError: a file could not be read, or holds no token: a token file is asked for to
+            turn authentication on, and an empty one (say, a Secret mounted before it was
+            filled) must not start a server open to anyone.
     """
     tokens: set[str] = set()
     for path in paths:
         try:
             with open(path) as f:
-                tokens.update(line.strip() for line in f if line.strip())
+                found = {line.strip() for line in f if line.strip()}
         except OSError as exc:
             raise ConfigError(f"cannot read token file {path!r}: {exc}") from None
+        if not found:
+            raise ConfigError(f"token file {path!r} holds no token; authentication would be off. Put one token "
+                              "per line in it, or drop the flag to run without authentication")
+        tokens |= found
     return tokens
 
 
