@@ -11,8 +11,9 @@ exported are the estimator's (``embcache_mrc_hit_ratio``, ``embcache_mrc_samplin
 which have no counters behind them.
 
 Per tier, ``hits + misses`` is the key occurrences that reached the tier: all lookups for
-``hbm``, HBM's misses for ``ddr``, DDR's misses for ``ssd`` (whose misses are the rows created
-on first touch). So ``embcache_lookups_total`` = hbm hits + ddr hits + ssd hits + ssd misses.
+``hbm``, HBM's misses for ``ddr``, DDR's misses for ``ssd`` (whose misses are the occurrences of
+keys the store did not hold; ``embcache_rows_created_total`` counts the rows made for them).
+So ``embcache_lookups_total`` = hbm hits + ddr hits + ssd hits + ssd misses.
 The misses are ``stats()[table][tier]["misses"]``.
 
     from prometheus_client import start_http_server
@@ -52,7 +53,8 @@ _TIER_GAUGES = (
     ("capacity_bytes", "Bytes the tier can hold"),
 )
 _SSD_COUNTERS = (
-    ("created", "embcache_rows_created", "Rows created by the initializer on first touch"),
+    ("created_rows", "embcache_rows_created",
+     "Rows the initializer made on first touch: one per distinct new key of a lookup (not per occurrence)"),
     ("reads", "embcache_ssd_read_ops", "Batched read operations on the store"),
     ("read_rows", "embcache_ssd_read_rows", "Rows read from the store"),
     ("read_bytes", "embcache_ssd_read_bytes", "Bytes read from the store"),

@@ -52,9 +52,9 @@ def test_metrics_match_stats_over_http(make_cache: Any) -> None:
             assert m[("embcache_tier_capacity_bytes", labels)] == stats[tier]["capacity_bytes"]
             assert m[("embcache_tier_demotions_total", labels)] == stats[tier]["demotions"]
         assert m[("embcache_ssd_write_bytes_total", (("table", "t"),))] == stats["ssd"]["write_bytes"] > 0
-        assert m[("embcache_rows_created_total", (("table", "t"),))] == stats["ssd"]["created"] > 0
+        assert m[("embcache_rows_created_total", (("table", "t"),))] == stats["ssd"]["created_rows"] > 0
         hits = sum(m[("embcache_tier_hits_total", (("table", "t"), ("tier", t)))] for t in ("hbm", "ddr", "ssd"))
-        assert hits + m[("embcache_rows_created_total", (("table", "t"),))] == 240
+        assert hits + m[("embcache_tier_misses_total", (("table", "t"), ("tier", "ssd")))] == 240
         cache._tables["t"].mrc.drain()
         m = scrape(port)
         mrc = {dict(labels)["capacity_factor"]: v for (name, labels), v in m.items()
@@ -97,7 +97,7 @@ def test_register_metrics_on_the_default_registry_over_http(make_cache: Any) -> 
             stats = cache.stats()["default_reg"]
             t = (("table", "default_reg"),)
             assert m[("embcache_lookups_total", t)] == stats["lookups"] == 30
-            assert m[("embcache_rows_created_total", t)] == stats["ssd"]["created"] == 30
+            assert m[("embcache_rows_created_total", t)] == stats["ssd"]["created_rows"] == 30
             for tier in ("hbm", "ddr"):
                 labels = (("table", "default_reg"), ("tier", tier))
                 assert m[("embcache_tier_resident_rows", labels)] == stats[tier]["resident_rows"]
@@ -135,6 +135,9 @@ def test_misses_complete_the_hits_and_the_store_disk_is_reported(make_cache: Any
     assert get("hits", "ddr") + get("misses", "ddr") == get("misses", "hbm")
     assert get("hits", "ssd") + get("misses", "ssd") == get("misses", "ddr")
     assert get("misses", "ssd") == stats["ssd"]["created"] > 0
+    # rows_created counts rows, one per distinct new key of a lookup; the ssd misses count occurrences
+    created = m[("embcache_rows_created_total", (("table", "t"),))]
+    assert 0 < created == stats["ssd"]["created_rows"] < get("misses", "ssd")
     assert min(get("hits", t) for t in ("hbm", "ddr", "ssd")) > 0  # every tier served some
     for tier in ("hbm", "ddr", "ssd"):  # the export is stats()'s own figure
         assert get("misses", tier) == stats[tier]["misses"] > 0, tier
@@ -142,6 +145,20 @@ def test_misses_complete_the_hits_and_the_store_disk_is_reported(make_cache: Any
     vfs = os.statvfs(cache.config.path)
     assert m[("embcache_store_filesystem_size_bytes", ())] == vfs.f_blocks * vfs.f_frsize
     assert 0 < m[("embcache_store_filesystem_avail_bytes", ())] <= m[("embcache_store_filesystem_size_bytes", ())]
+
+
+def test_rows_created_counts_rows_not_occurrences(make_cache: Any) -> None:
+    cache = make_cache(hbm_rows=0, ddr_rows=0)  # nothing cached: a key not written is made again each lookup
+    cache.lookup("t", torch.tensor([5, 5, 5, 6]))
+    cache.lookup("t", torch.tensor([6, 7, 7]))
+    registry = CollectorRegistry()
+    register_metrics(cache, registry)
+    m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+         for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    ssd = cache.stats()["t"]["ssd"]
+    assert (ssd["created"], ssd["created_rows"]) == (7, 4)  # occurrences; rows: {5, 6} then {6, 7}
+    assert m[("embcache_rows_created_total", (("table", "t"),))] == 4
+    assert m[("embcache_tier_misses_total", (("table", "t"), ("tier", "ssd")))] == 7
 
 
 def test_latency_histogram_buckets() -> None:

@@ -25,7 +25,8 @@ class TierStats:
 @dataclass
 class SsdStats:
     hits: int = 0
-    created: int = 0
+    created: int = 0  # key occurrences of keys the store did not hold (the ssd tier's misses)
+    created_rows: int = 0  # rows the initializer made: one per distinct such key of a batch
     reads: int = 0
     read_rows: int = 0
     read_bytes: int = 0

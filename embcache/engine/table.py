@@ -300,6 +300,7 @@ class TableEngine:
             n_found = int(counts[read.fmask].sum())
             self.stats.ssd.hits += n_found
             self.stats.ssd.created += int(counts.sum()) - n_found
+            self.stats.ssd.created_rows += int(read.fmask.numel()) - int(read.found.sum())
 
     def complete(self, read: StagedRead) -> None:
         """Give the staged rows of ``read`` their values, once (a failed read raises every time)."""
