@@ -61,6 +61,13 @@ class TableConfig:
         seed: seed of the lazy initializer; a row's first value is a pure function of (seed, key).
         dtype: storage dtype of the weights: "float32", "float16" or "bfloat16".
         memory_share: relative share of the cache's HBM and DDR bytes this table gets (> 0).
+        admit_after: admission of new keys: a key gets a trained, stored row only once it has been
+            looked up this many times (0 or 1: at once, the default). Until then a lookup returns
+            ``unadmitted`` rows and its gradients are dropped (``stats()[table]["admission"]``).
+            Lookups are counted in a count-min sketch of the table (a few in a million keys may be
+            admitted a little early, never late); the counts are saved with the frequencies.
+        unadmitted: what a lookup of a key not admitted yet returns: "init" (the initializer's
+            row, which the key would start from) or "zeros".
     """
 
     name: str
@@ -77,6 +84,8 @@ class TableConfig:
     seed: int = 0
     dtype: str = "float32"
     memory_share: float = 1.0
+    admit_after: int = 0
+    unadmitted: str = "init"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 128:
@@ -111,6 +120,11 @@ class TableConfig:
             raise ConfigError(f"TableConfig.init_scale={self.init_scale!r}: must be a finite number >= 0")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**63:
             raise ConfigError(f"TableConfig.seed={self.seed!r}: must be an int64")
+        if not isinstance(self.admit_after, int) or isinstance(self.admit_after, bool) or not (
+                0 <= self.admit_after < 2**31):
+            raise ConfigError(f"TableConfig.admit_after={self.admit_after!r}: must be an int >= 0")
+        if self.unadmitted not in ("init", "zeros"):
+            raise ConfigError(f"TableConfig.unadmitted={self.unadmitted!r}: choose 'init' or 'zeros'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

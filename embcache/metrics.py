@@ -63,6 +63,14 @@ _SSD_COUNTERS = (
     ("write_bytes", "embcache_ssd_write_bytes", "Bytes written to the store"),
 )
 
+_ADMISSION_COUNTERS = (
+    ("unadmitted_lookups", "embcache_admission_unadmitted_lookups",
+     "Key occurrences looked up before their key was admitted (TableConfig.admit_after)"),
+    ("dropped_updates", "embcache_admission_dropped_updates",
+     "Rows of keys not admitted yet whose gradients were dropped"),
+    ("admitted_rows", "embcache_admission_admitted_rows", "Keys admitted: their lookups reached admit_after"),
+)
+
 
 class LatencyHistogram:
     """Counts of durations in fixed buckets, kept by the cache and exported as a Prometheus histogram.
@@ -140,6 +148,11 @@ class CacheCollector(Collector):
             fam = CounterMetricFamily(name, doc, labels=["table"])
             for table, s in stats.items():
                 fam.add_metric([table], s["ssd"][field])
+            yield fam
+        for field, name, doc in _ADMISSION_COUNTERS:
+            fam = CounterMetricFamily(name, doc, labels=["table"])
+            for table, s in stats.items():
+                fam.add_metric([table], s.get("admission", {}).get(field, 0))
             yield fam
         yield from _ssd_latency(stats)
         yield from _pass_metrics(stats)

@@ -27,8 +27,8 @@ from ..stores import Store
 from ..tier import RowBatch
 from .stats import SsdStats
 
-__all__ = ["META_TABLES", "Read", "ReaderPool", "RecordCodec", "StagedRead", "StoreRows", "clean_rows",
-           "clock_meta", "record_bytes", "sketch_meta", "table_meta_names"]
+__all__ = ["META_TABLES", "Read", "ReaderPool", "RecordCodec", "StagedRead", "StoreRows", "admission_meta",
+           "clean_rows", "clock_meta", "record_bytes", "sketch_meta", "table_meta_names"]
 
 META_TABLES = "tables"  # the JSON list of every table's definition
 
@@ -36,6 +36,11 @@ META_TABLES = "tables"  # the JSON list of every table's definition
 def sketch_meta(table: str) -> str:
     """Metadata name of ``table``'s saved frequency sketch."""
     return f"sketch/{table}"
+
+
+def admission_meta(table: str) -> str:
+    """Metadata name of ``table``'s saved admission counts (``TableConfig.admit_after``)."""
+    return f"admission/{table}"
 
 
 def clock_meta(table: str) -> str:
@@ -49,6 +54,7 @@ def table_meta_names(tables: Iterable[str]) -> Iterator[str]:
     for name in tables:
         yield sketch_meta(name)
         yield clock_meta(name)
+        yield admission_meta(name)
 
 
 def record_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:

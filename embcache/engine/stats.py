@@ -49,6 +49,9 @@ class TableStats:
     prefetch_seconds: float = 0.0
     passes: int = 0
     pass_wait_seconds: float = 0.0
+    unadmitted_lookups: int = 0  # key occurrences looked up before their key was admitted
+    dropped_updates: int = 0  # rows of keys not admitted yet whose gradients were dropped
+    admitted_rows: int = 0  # keys admitted (their count reached admit_after)
     hbm: TierStats = field(default_factory=TierStats)
     ddr: TierStats = field(default_factory=TierStats)
     ssd: SsdStats = field(default_factory=SsdStats)
@@ -83,4 +86,6 @@ def table_report(t: TableEngine, running_prefetch_seconds: float) -> dict[str, A
                      "started": s.passes, "wait_seconds": s.pass_wait_seconds},
             "prefetch": {"staged_rows": s.prefetch_rows, "seconds": s.prefetch_seconds,
                          "running_seconds": running_prefetch_seconds},
+            "admission": {"unadmitted_lookups": s.unadmitted_lookups,
+                          "dropped_updates": s.dropped_updates, "admitted_rows": s.admitted_rows},
             "mrc": {"sample_rate": t.mrc.rate, **t.mrc.hit_ratios()} if t.mrc is not None else None}

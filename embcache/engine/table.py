@@ -40,7 +40,17 @@ from ..types import Tier
 from ..validate import check_open
 from . import placement
 from .lock import TableLock
-from .rows import Read, ReaderPool, RecordCodec, StagedRead, StoreRows, clean_rows, clock_meta, sketch_meta
+from .rows import (
+    Read,
+    ReaderPool,
+    RecordCodec,
+    StagedRead,
+    StoreRows,
+    admission_meta,
+    clean_rows,
+    clock_meta,
+    sketch_meta,
+)
 from .stats import TableStats
 
 __all__ = ["STAGE_CHUNK", "RowUpdate", "TableEngine"]
@@ -80,6 +90,8 @@ class TableEngine:
         self.clock = Clock(halflife if policy.aging else math.inf)
         width = config.sketch_width or min(max(next_pow2(8 * memory_rows), _MIN_SKETCH_WIDTH), _MAX_SKETCH_WIDTH)
         self.sketch = FrequencySketch(width, device=torch.device("cpu"))
+        # admission (admit_after > 1): how often each key not yet stored was looked up (raw counts)
+        self.admission = FrequencySketch(width, device=torch.device("cpu")) if cfg.admit_after > 1 else None
         self.params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
                                       weight_decay=cfg.weight_decay)
         # Eviction sampling draws from seeded generators of its own, one per device (a CUDA
@@ -119,22 +131,30 @@ class TableEngine:
         return self.codec.record_bytes
 
     def load_saved(self) -> None:
-        """Take up the frequency sketch and clock the store saved for this table, if any."""
-        sketch = self.rows.store.get_meta(sketch_meta(self.cfg.name))
+        """Take up the frequency sketch, clock and admission counts the store saved for this table, if any."""
+        store, name = self.rows.store, self.cfg.name
+        sketch = store.get_meta(sketch_meta(name))
         if sketch:
             self.sketch.load_bytes(sketch)
-        clock = self.rows.store.get_meta(clock_meta(self.cfg.name))
+        clock = store.get_meta(clock_meta(name))
         if clock:
             self.clock.load(json.loads(clock))
+        counts = store.get_meta(admission_meta(name))
+        if counts and self.admission is not None:
+            self.admission.load_bytes(counts)
 
     def save_frequencies(self) -> None:
-        """Save the frequency state (resident rows' counts into the sketch, then sketch and clock)."""
+        """Save the frequency state (resident rows' counts into the sketch, then sketch, clock and
+        admission counts)."""
         for tier in (self.hbm, self.ddr):
             slots = tier.occupied_slots()
             if slots.numel():
                 self.sketch.raise_to(tier.keys[slots].cpu(), tier.freq[slots].cpu())
-        self.rows.store.put_meta(sketch_meta(self.cfg.name), self.sketch.to_bytes())
-        self.rows.store.put_meta(clock_meta(self.cfg.name), json.dumps(self.clock.state()).encode())
+        store, name = self.rows.store, self.cfg.name
+        store.put_meta(sketch_meta(name), self.sketch.to_bytes())
+        store.put_meta(clock_meta(name), json.dumps(self.clock.state()).encode())
+        if self.admission is not None:
+            store.put_meta(admission_meta(name), self.admission.to_bytes())
 
     def reset_mrc(self) -> None:
         """(Re)start the miss-ratio-curve estimator for the current tier capacities."""
@@ -232,7 +252,10 @@ class TableEngine:
         s_pos = torch.nonzero(~in_ddr).flatten()
         s_keys, s_counts = cpu_keys.index_select(0, s_pos), cpu_counts.index_select(0, s_pos)
         read: StagedRead | None = None
-        if s_keys.numel() >= _OVERLAP_READ_MIN:
+        s_values: torch.Tensor | None = None  # the rows returned for s_keys, where not the staged ones
+        if self.admission is not None and s_keys.numel():
+            staged, s_values = self._stage_admitting(s_keys, s_counts, inc, now)
+        elif s_keys.numel() >= _OVERLAP_READ_MIN:
             # The store read runs on a reader thread (the store bindings release the GIL) while
             # this one plans the placement, which needs the rows' keys and counts but not their
             # values; the commit waits for the read only before it moves rows.
@@ -258,7 +281,7 @@ class TableEngine:
             self.stats.placement_errors += 1
             if self.stats.placement_errors == 1:
                 warnings.warn(f"embcache: table {self.cfg.name!r}: rows could not be cached: {failed}", stacklevel=4)
-        values.index_copy_(0, s_pos, staged.weights.to(torch.float32))
+        values.index_copy_(0, s_pos, (staged.weights if s_values is None else s_values).to(torch.float32))
         self.stats.ddr.hits += d_hits
         return to_device(values, self.device)
 
@@ -293,14 +316,61 @@ class TableEngine:
             freq = self.sketch.estimate(keys) if keys.numel() else torch.empty(0, dtype=torch.float64)
         return clean_rows(keys, weights, state, freq, now)
 
-    def _count_stage(self, counts: torch.Tensor | None, read: Read) -> None:
-        """Count a staging read (and, with ``counts``, its hits and created rows)."""
+    def _count_stage(self, counts: torch.Tensor | None, read: Read, not_made: int = 0) -> None:
+        """Count a staging read (and, with ``counts``, its hits and the rows created, less
+        ``not_made`` rows the initializer made for keys not admitted)."""
         self.rows.count(read)
         if counts is not None:
             n_found = int(counts[read.fmask].sum())
             self.stats.ssd.hits += n_found
             self.stats.ssd.created += int(counts.sum()) - n_found
-            self.stats.ssd.created_rows += int(read.fmask.numel()) - int(read.found.sum())
+            self.stats.ssd.created_rows += int(read.fmask.numel()) - int(read.found.sum()) - not_made
+
+    # ------------------------------------------------------------------ admission (admit_after > 1)
+    def _stage_admitting(self, keys: torch.Tensor, counts: torch.Tensor, inc: float,
+                         now: int) -> tuple[RowBatch, torch.Tensor]:
+        """Stage (unique, CPU, non-empty) ``keys`` looked up ``counts`` times under admission.
+
+        Keys the store lacks count towards admission; those whose count reaches ``admit_after``
+        are admitted now (staged like any row), the others get the ``unadmitted`` rows and stay
+        out of memory and the store. Returns the staged rows and the rows to return for ``keys``.
+        """
+        assert self.admission is not None
+        read = self.rows.read(keys)
+        keep = read.fmask.clone()
+        new = torch.nonzero(~read.fmask).flatten()
+        if new.numel():
+            seen = self.admission.add_and_estimate(keys[new], counts[new].to(torch.float64))
+            admitted = seen >= self.cfg.admit_after
+            keep[new] = admitted
+            self.stats.admitted_rows += int(admitted.sum())
+        out = ~keep
+        n_out = int(out.sum())
+        self._count_stage(counts, read, not_made=n_out)
+        self.stats.unadmitted_lookups += int(counts[out].sum())
+        values = read.weights
+        if n_out and self.cfg.unadmitted == "zeros":
+            values = values.clone()
+            values[out] = 0
+        staged = self._stage_meta(keys[keep], counts[keep], inc, now, read.weights[keep], read.state[keep])
+        return staged, values
+
+    def _admissible(self, keys: torch.Tensor) -> torch.Tensor:
+        """The CPU ``keys`` (in order) that may be placed: resident or admitted."""
+        ok = self.resident(keys)
+        rest = torch.nonzero(~ok).flatten()
+        if rest.numel():
+            ok[rest] = self._admitted(keys[rest])
+        return keys[ok]
+
+    def _admitted(self, keys: torch.Tensor) -> torch.Tensor:
+        """Bool [n]: which of the non-resident CPU ``keys`` are admitted (stored, or counted enough)."""
+        assert self.admission is not None
+        ok = self.admission.estimate(keys) >= self.cfg.admit_after
+        maybe = torch.nonzero(~ok).flatten()
+        if maybe.numel():  # rows stored before admission was on, imported or assigned are admitted
+            ok[maybe] = self.rows.read_counted(keys[maybe]).fmask
+        return ok
 
     def complete(self, read: StagedRead) -> None:
         """Give the staged rows of ``read`` their values, once (a failed read raises every time)."""
@@ -369,6 +439,11 @@ class TableEngine:
                 tier.write(slots, w, s)
                 undo.append((tier, slots, old))
         skeys = rest_keys[~in_d]
+        if self.admission is not None and read_store and skeys.numel():
+            # gradients of keys not admitted yet are dropped (assign, read_store=False, admits)
+            ok = self._admitted(skeys)
+            self.stats.dropped_updates += int((~ok).sum())
+            skeys, s_idx = skeys[ok], s_idx[ok]
         if skeys.numel() == 0:  # every row was in memory: nothing to stage or place
             return
         now = self.clock.now
@@ -409,6 +484,8 @@ class TableEngine:
             StoreError: writing back rows that leave memory failed; nothing changed.
         """
         now = self.clock.now
+        if self.admission is not None:  # a keyset's keys not admitted yet stay out of memory
+            keys_h, keys_d = self._admissible(keys_h), self._admissible(keys_d)
         plan = placement.plan_arrange(self, keys_h, keys_d, lambda keys: self.pool_or_stage(keys, pool, now), wanted)
         placement.commit(self, plan)
         targets = torch.cat([keys_h, keys_d])
