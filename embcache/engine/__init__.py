@@ -3,6 +3,7 @@
 - :mod:`.table`: ``TableEngine``, one table's state (lock, tiers, clock, sketch, recent rows)
   and its operations: the lookup path, staging, ``modify``, ``arrange``, pins, resize;
 - :mod:`.update`: gradients applied where each row lives; ``assign``;
+- :mod:`.admission`: admission of new keys (``TableConfig.admit_after``);
 - :mod:`.placement`: moves between tiers planned as a :class:`~.placement.Plan`, carried out by
   one :func:`~.placement.commit`;
 - :mod:`.rows`: rows to and from the store: the record format, counted reads and writes, the

@@ -38,7 +38,7 @@ from ..stores import Store
 from ..tier import MemoryTier, RowBatch, ScoreOf, release_cached_memory, to_device, to_host
 from ..types import Tier
 from ..validate import check_open
-from . import placement
+from . import admission, placement
 from .lock import TableLock
 from .rows import (
     Read,
@@ -254,13 +254,13 @@ class TableEngine:
         read: StagedRead | None = None
         s_values: torch.Tensor | None = None  # the rows returned for s_keys, where not the staged ones
         if self.admission is not None and s_keys.numel():
-            staged, s_values = self._stage_admitting(s_keys, s_counts, inc, now)
+            staged, s_values = admission.stage_admitting(self, s_keys, s_counts, inc, now)
         elif s_keys.numel() >= _OVERLAP_READ_MIN:
             # The store read runs on a reader thread (the store bindings release the GIL) while
             # this one plans the placement, which needs the rows' keys and counts but not their
             # values; the commit waits for the read only before it moves rows.
             future = self.readers.submit(self.rows, s_keys)
-            staged = self._stage_meta(s_keys, s_counts, inc, now, torch.empty(s_keys.numel(), 0),
+            staged = self.stage_meta(s_keys, s_counts, inc, now, torch.empty(s_keys.numel(), 0),
                                       torch.empty(s_keys.numel(), 0))
             read = StagedRead(staged, s_counts, future)
         else:
@@ -299,14 +299,14 @@ class TableEngine:
         With ``counts``, the accesses are counted (sketch and ssd hits); without, nothing is counted.
         """
         if keys.numel() == 0:
-            return self._stage_meta(keys, None, inc, now, torch.empty(0, self.cfg.dim, dtype=self.cfg.torch_dtype),
+            return self.stage_meta(keys, None, inc, now, torch.empty(0, self.cfg.dim, dtype=self.cfg.torch_dtype),
                                     torch.empty(0, self.state_width, dtype=torch.float32))
         read = self.rows.read(keys)
-        rows = self._stage_meta(keys, counts, inc, now, read.weights, read.state)
-        self._count_stage(counts, read)
+        rows = self.stage_meta(keys, counts, inc, now, read.weights, read.state)
+        self.count_stage(counts, read)
         return rows
 
-    def _stage_meta(self, keys: torch.Tensor, counts: torch.Tensor | None, inc: float, now: int,
+    def stage_meta(self, keys: torch.Tensor, counts: torch.Tensor | None, inc: float, now: int,
                     weights: torch.Tensor, state: torch.Tensor) -> RowBatch:
         """Clean rows of ``keys`` with ``weights`` and ``state``, their frequencies from the sketch
         (with ``counts``, this access is added first)."""
@@ -316,7 +316,7 @@ class TableEngine:
             freq = self.sketch.estimate(keys) if keys.numel() else torch.empty(0, dtype=torch.float64)
         return clean_rows(keys, weights, state, freq, now)
 
-    def _count_stage(self, counts: torch.Tensor | None, read: Read, not_made: int = 0) -> None:
+    def count_stage(self, counts: torch.Tensor | None, read: Read, not_made: int = 0) -> None:
         """Count a staging read (and, with ``counts``, its hits and the rows created, less
         ``not_made`` rows the initializer made for keys not admitted)."""
         self.rows.count(read)
@@ -326,59 +326,13 @@ class TableEngine:
             self.stats.ssd.created += int(counts.sum()) - n_found
             self.stats.ssd.created_rows += int(read.fmask.numel()) - int(read.found.sum()) - not_made
 
-    # ------------------------------------------------------------------ admission (admit_after > 1)
-    def _stage_admitting(self, keys: torch.Tensor, counts: torch.Tensor, inc: float,
-                         now: int) -> tuple[RowBatch, torch.Tensor]:
-        """Stage (unique, CPU, non-empty) ``keys`` looked up ``counts`` times under admission.
-
-        Keys the store lacks count towards admission; those whose count reaches ``admit_after``
-        are admitted now (staged like any row), the others get the ``unadmitted`` rows and stay
-        out of memory and the store. Returns the staged rows and the rows to return for ``keys``.
-        """
-        assert self.admission is not None
-        read = self.rows.read(keys)
-        keep = read.fmask.clone()
-        new = torch.nonzero(~read.fmask).flatten()
-        if new.numel():
-            seen = self.admission.add_and_estimate(keys[new], counts[new].to(torch.float64))
-            admitted = seen >= self.cfg.admit_after
-            keep[new] = admitted
-            self.stats.admitted_rows += int(admitted.sum())
-        out = ~keep
-        n_out = int(out.sum())
-        self._count_stage(counts, read, not_made=n_out)
-        self.stats.unadmitted_lookups += int(counts[out].sum())
-        values = read.weights
-        if n_out and self.cfg.unadmitted == "zeros":
-            values = values.clone()
-            values[out] = 0
-        staged = self._stage_meta(keys[keep], counts[keep], inc, now, read.weights[keep], read.state[keep])
-        return staged, values
-
-    def _admissible(self, keys: torch.Tensor) -> torch.Tensor:
-        """The CPU ``keys`` (in order) that may be placed: resident or admitted."""
-        ok = self.resident(keys)
-        rest = torch.nonzero(~ok).flatten()
-        if rest.numel():
-            ok[rest] = self._admitted(keys[rest])
-        return keys[ok]
-
-    def _admitted(self, keys: torch.Tensor) -> torch.Tensor:
-        """Bool [n]: which of the non-resident CPU ``keys`` are admitted (stored, or counted enough)."""
-        assert self.admission is not None
-        ok = self.admission.estimate(keys) >= self.cfg.admit_after
-        maybe = torch.nonzero(~ok).flatten()
-        if maybe.numel():  # rows stored before admission was on, imported or assigned are admitted
-            ok[maybe] = self.rows.read_counted(keys[maybe]).fmask
-        return ok
-
     def complete(self, read: StagedRead) -> None:
         """Give the staged rows of ``read`` their values, once (a failed read raises every time)."""
         if read.done:
             return
         r = read.future.result()
         read.rows.weights, read.rows.state = r.weights, r.state
-        self._count_stage(read.counts, r)
+        self.count_stage(read.counts, r)
         read.done = True
 
     def _stage_for_update(self, keys: torch.Tensor, now: int) -> RowBatch:
@@ -388,7 +342,7 @@ class TableEngine:
         recent, self.recent = self.recent, None
         if recent is None or self.recent_writes != self.rows.writes:
             return self.stage(keys, None, 0.0, now)
-        pool = self._stage_meta(recent.keys, None, 0.0, now, recent.weights, recent.state)
+        pool = self.stage_meta(recent.keys, None, 0.0, now, recent.weights, recent.state)
         return self.pool_or_stage(keys, pool, now)
 
     def pool_or_stage(self, keys: torch.Tensor, pool: RowBatch | None, now: int) -> RowBatch:
@@ -441,7 +395,7 @@ class TableEngine:
         skeys = rest_keys[~in_d]
         if self.admission is not None and read_store and skeys.numel():
             # gradients of keys not admitted yet are dropped (assign, read_store=False, admits)
-            ok = self._admitted(skeys)
+            ok = admission.admitted(self, skeys)
             self.stats.dropped_updates += int((~ok).sum())
             skeys, s_idx = skeys[ok], s_idx[ok]
         if skeys.numel() == 0:  # every row was in memory: nothing to stage or place
@@ -451,7 +405,7 @@ class TableEngine:
             staged = self._stage_for_update(skeys, now)
         else:
             n = skeys.numel()
-            staged = self._stage_meta(skeys, None, 0.0, now, torch.empty(n, self.cfg.dim, dtype=self.cfg.torch_dtype),
+            staged = self.stage_meta(skeys, None, 0.0, now, torch.empty(n, self.cfg.dim, dtype=self.cfg.torch_dtype),
                                       torch.empty(n, self.state_width))
         w, s = fn(staged.weights, staged.state, s_idx)
         w, s = to_host(w, s)
@@ -485,7 +439,7 @@ class TableEngine:
         """
         now = self.clock.now
         if self.admission is not None:  # a keyset's keys not admitted yet stay out of memory
-            keys_h, keys_d = self._admissible(keys_h), self._admissible(keys_d)
+            keys_h, keys_d = admission.admissible(self, keys_h), admission.admissible(self, keys_d)
         plan = placement.plan_arrange(self, keys_h, keys_d, lambda keys: self.pool_or_stage(keys, pool, now), wanted)
         placement.commit(self, plan)
         targets = torch.cat([keys_h, keys_d])
