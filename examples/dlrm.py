@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bottom-mlp", default="512,256,64",
                    help="hidden sizes of the bottom MLP (default 512,256,64: DLRM's Criteo Kaggle configuration)")
     p.add_argument("--top-mlp", default="512,256", help="hidden sizes of the top MLP (default 512,256)")
+    p.add_argument("--admit-after", type=int, default=0,
+                   help="admission of new ids (cache modes): an id gets a trained row once looked up this many "
+                        "times (default 0: at once)")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -503,8 +506,10 @@ class Trainer:
         self.keysets = _keysets(self.ds, self.progress)
         t_keysets = time.perf_counter()
         self.touched = _union(self.keysets)
-        tables = [TableConfig(name=t, dim=args.dim, optimizer=args.emb_optimizer, lr=args.emb_lr, seed=i + 1)
-                  for i, t in enumerate(TABLES)]
+        if args.admit_after and args.mode == "torch":
+            raise SystemExit("--admit-after needs a cache mode (the torch mode keeps every row)")
+        tables = [TableConfig(name=t, dim=args.dim, optimizer=args.emb_optimizer, lr=args.emb_lr, seed=i + 1,
+                              admit_after=args.admit_after) for i, t in enumerate(TABLES)]
         self.row_bytes = resident_row_bytes(args.dim, torch.float32,
                                             1 if args.emb_optimizer == "rowwise_adagrad" else args.dim)
         hbm_bytes, ddr_bytes, shares = _memory_plan(self.keysets, self.row_bytes)
@@ -663,6 +668,7 @@ class Trainer:
         train_samples = sum(r.samples for r in rows)
         touched_rows = sum(len(k) for k in self.touched.values())
         area = auc(s, y)
+        final_stats = cache.stats() if cache is not None else {}
         summary = {
             "mode": self.args.mode, "threads": self.threads, "device": str(self.device), "torch": torch.__version__,
             "options": {k: v for k, v in vars(self.args).items() if k != "json"},
@@ -680,6 +686,9 @@ class Trainer:
             "touched_rows": touched_rows, "row_bytes": self.row_bytes,
             "hbm_bytes": self.hbm_bytes, "ddr_bytes": self.ddr_bytes, "memory_rows": capacity_rows,
             "touched_over_memory": touched_rows / capacity_rows if capacity_rows else None,
+            "admission": ({k: sum(s["admission"][k] for s in final_stats.values())
+                           for k in ("unadmitted_lookups", "dropped_updates", "admitted_rows")}
+                          if final_stats else {}),
             "seconds": {**self.seconds, "eval": time.perf_counter() - t_eval,
                         "total": time.perf_counter() - self.t_start},
         }

@@ -151,3 +151,15 @@ def test_embedded_example_trains(tmp_path: Any, capsys: pytest.CaptureFixture[st
     assert result["last_loss"] < result["first_loss"]
     assert "HBM hit ratio" in capsys.readouterr().out
     assert os.listdir(tmp_path / "cache")  # the store lives where --path says
+
+
+def test_dlrm_with_admission_trains_and_counts_what_it_kept_out(data_dir: str, tmp_path: Any) -> None:
+    summary = dlrm.run(dlrm.build_parser().parse_args(
+        [*TINY, "--mode", "cache-nopass", "--admit-after", "2", "--data", data_dir, "--path", str(tmp_path / "a")]))
+    check_counts(summary)
+    adm = summary["admission"]
+    assert adm["unadmitted_lookups"] > 0 and adm["dropped_updates"] > 0 and adm["admitted_rows"] > 0
+    assert summary["last_pass_loss"] < summary["first_pass_loss"]
+    with pytest.raises(SystemExit, match="cache mode"):
+        dlrm.run(dlrm.build_parser().parse_args([*TINY, "--mode", "torch", "--admit-after", "2", "--data", data_dir,
+                                                 "--path", str(tmp_path / "b")]))
