@@ -47,7 +47,6 @@ from .errors import (
     ConfigError,
     InvalidGradientError,
     InvalidRowsError,
-    NonFiniteGradientError,
     PassStateError,
     UnknownTableError,
 )
@@ -57,7 +56,7 @@ from .prefetch import PrefetchFuture
 from .stores import Store, open_store
 from .tier import release_cached_memory, to_device
 from .types import Tier, memory_tier
-from .validate import all_finite, check_open, checked_keys, checked_rows, unique_keys
+from .validate import all_finite, check_open, checked_keys, checked_rows, nonfinite_gradients, unique_keys
 
 __all__ = ["EmbeddingCache"]
 
@@ -250,13 +249,15 @@ class EmbeddingCache:
               err: type[InvalidGradientError] | type[InvalidRowsError]) -> torch.Tensor:
         return to_device(checked_rows(what, values, n, t.cfg.dim, err, self._device), self._device)
 
-    def _checked_gradients(self, table: str, keys: Any, grads: Any) -> tuple[TableEngine, torch.Tensor, torch.Tensor]:
+    def _gradient_shapes(self, table: str, keys: Any, grads: Any) -> tuple[TableEngine, torch.Tensor, torch.Tensor]:
         t = self._table(table)
         keys = self._keys_both(keys)[1]
-        grads = self._rows("gradients", grads, keys.numel(), t, InvalidGradientError)
+        return t, keys, self._rows("gradients", grads, keys.numel(), t, InvalidGradientError)
+
+    def _checked_gradients(self, table: str, keys: Any, grads: Any) -> tuple[TableEngine, torch.Tensor, torch.Tensor]:
+        t, keys, grads = self._gradient_shapes(table, keys, grads)
         if self._config.reject_nonfinite and not all_finite(grads):
-            raise NonFiniteGradientError(f"gradients of table {table!r} contain NaN or inf; nothing was applied "
-                                         "(pass reject_nonfinite=False to allow)")
+            raise nonfinite_gradients(table)
         return t, keys, grads
 
     def _checked_rows(self, table: str, keys: Any, rows: Any) -> tuple[TableEngine, torch.Tensor, torch.Tensor]:
@@ -340,7 +341,12 @@ class EmbeddingCache:
             NonFiniteGradientError (NaN/inf, unless ``reject_nonfinite=False``), BatchTooLargeError,
             CacheClosedError, StoreError (nothing changed).
         """
-        self._write({table: (keys, grads)}, self._checked_gradients, update.apply_gradients)
+        if self._device.type == "cuda" and self._config.reject_nonfinite:
+            # one host sync fewer: the finite check is read back with the update's own check of
+            # which rows are in HBM, before anything changes (update.apply_gradients)
+            self._write({table: (keys, grads)}, self._gradient_shapes, update.apply_finite_gradients)
+        else:
+            self._write({table: (keys, grads)}, self._checked_gradients, update.apply_gradients)
 
     def apply_gradients_many(self, updates: Mapping[str, tuple[Any, torch.Tensor]]) -> None:
         """Apply gradients to several tables: ``{table: (keys [n], grads [n, dim])}``.

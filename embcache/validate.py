@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CacheClosedError, InvalidGradientError, InvalidKeysError, InvalidRowsError
+from .errors import CacheClosedError, InvalidGradientError, InvalidKeysError, InvalidRowsError, NonFiniteGradientError
 from .keys import as_key_tensor
 
-__all__ = ["all_finite", "check_open", "checked_keys", "checked_rows", "unique_keys"]
+__all__ = ["all_finite", "check_open", "checked_keys", "checked_rows", "nonfinite_gradients", "unique_keys"]
 
 _CLOSED = {
     "cache": "the cache is closed; open a new EmbeddingCache on the same path to continue",
@@ -84,3 +84,9 @@ def all_finite(values: torch.Tensor | np.ndarray) -> bool:
     if bool(torch.isfinite(values.sum())):  # NaN or inf anywhere makes the sum NaN or inf
         return True
     return bool(torch.isfinite(values).all())
+
+
+def nonfinite_gradients(table: str) -> NonFiniteGradientError:
+    """The error for gradients of ``table`` with NaN or inf (raised before anything changed)."""
+    return NonFiniteGradientError(f"gradients of table {table!r} contain NaN or inf; nothing was applied "
+                                  "(pass reject_nonfinite=False to allow)")

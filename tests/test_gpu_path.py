@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from embcache import CacheConfig, EmbeddingCache, Keyset, TableConfig
+from embcache.errors import NonFiniteGradientError
 from embcache.nn import CachedEmbedding, CachedEmbeddingBag, CachedEmbeddingBagCollection
 from embcache.optim import OptimizerParams, initial_state, torch_update
 from examples import dlrm
@@ -141,9 +142,9 @@ def test_dlrm_forward_step_on_cuda(fakecuda: FakeCuda, tmp_path: Any) -> None:
 BUDGETS = {
     "lookup, all hit": 1,
     "lookup_many, all hit": 2,  # one per table
-    "apply_gradients, all hit": 3,  # finite check, unique, all-resident check
+    "apply_gradients, all hit": 2,  # unique; then the finite and the all-resident checks, read back together
     "lookup, misses": 6,  # hit count, missed keys, victims (2), rows leaving HBM, index insert
-    "apply_gradients, misses": 8,
+    "apply_gradients, misses": 7,
     "begin_pass": 11,  # once per pass
 }
 
@@ -169,6 +170,20 @@ def test_host_syncs_per_public_call_stay_within_budget(fakecuda: FakeCuda, make_
         assert len(c.syncs) <= BUDGETS[name], f"{name}: {len(c.syncs)} host syncs: {c.syncs}"
         assert not [h for h in c.h2d if "pageable" in h], f"{name}: copies from pageable memory: {c.h2d}"
     cache.end_pass().result()
+
+
+def test_nonfinite_gradients_on_cuda_are_refused_before_anything_changes(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # the finite check rides on the update's own host sync on a GPU: it must still refuse first
+    cache: EmbeddingCache = make_cache(hbm_rows=64, ddr_rows=128, device="cuda", tables=[adagrad()])
+    keys = torch.arange(100)  # some in HBM, some not: both update paths
+    before = cache.lookup("t", keys).cpu()
+    for hot in (torch.arange(40), keys):
+        grads = torch.ones(hot.numel(), 8)
+        grads[3, 5] = float("nan")
+        with pytest.raises(NonFiniteGradientError, match="NaN"):
+            cache.apply_gradients("t", hot, grads.cuda())
+        assert torch.equal(cache.lookup("t", keys).cpu(), before)
+    assert cache.stats()["t"]["updates"] == 0
 
 
 # ---------------------------------------------------------------------- item 6: one update rule for every tier

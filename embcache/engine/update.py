@@ -14,16 +14,31 @@ import torch
 from ..fused import fused_available, fused_update
 from ..optim import apply_update, initial_state
 from ..tier import to_device
+from ..validate import nonfinite_gradients
 
 if TYPE_CHECKING:
     from .table import TableEngine
 
-__all__ = ["apply_gradients", "assign", "segment_sum"]
+__all__ = ["apply_finite_gradients", "apply_gradients", "assign", "segment_sum"]
 
 
-def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor) -> None:
-    """Apply ``t``'s optimizer to the rows of ``keys`` (checked, on the cache's device; lock held)."""
+def apply_finite_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor) -> None:
+    """:func:`apply_gradients` of gradients not yet checked to be finite: checked before any change."""
+    apply_gradients(t, keys, grads, finite=torch.isfinite(grads.sum()))
+
+
+def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor,
+                    finite: torch.Tensor | None = None) -> None:
+    """Apply ``t``'s optimizer to the rows of ``keys`` (checked, on the cache's device; lock held).
+
+    Args:
+        finite: a 0-dim bool tensor on the device, whether the gradients are finite, not read yet:
+            on a GPU it is read back with the check of which rows are in HBM (one host sync for
+            both), and NonFiniteGradientError is raised before anything changes.
+    """
     hbm = t.hbm
+    if finite is not None and t.device.type != "cuda" and not bool(finite):
+        raise nonfinite_gradients(t.cfg.name)
     if hbm.capacity and fused_available(hbm.weights):
         # CPU: probe every key (no sort); when all are in HBM (a pass's steady state), one
         # fused kernel dedups, sums and updates in place (embcache/fused.py)
@@ -41,7 +56,14 @@ def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor) -> 
         ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
         gsum = segment_sum(grads, inverse, counts)
     hslots = hbm.find(ukeys)
-    if hbm.capacity and bool((hslots >= 0).all()):
+    all_in_hbm = (hslots >= 0).all()
+    if finite is not None and t.device.type == "cuda":
+        ok, hit = torch.stack([finite, all_in_hbm]).tolist()  # one host sync for both
+        if not ok:
+            raise nonfinite_gradients(t.cfg.name)
+    else:
+        hit = bool(all_in_hbm)
+    if hbm.capacity and hit:
         # every row in HBM: update in place, nothing to stage or place
         w = hbm.weights.index_select(0, hslots).to(torch.float32)
         new_w, new_s = apply_update(t.cfg.optimizer, t.params, w, hbm.state.index_select(0, hslots), gsum)
