@@ -428,6 +428,49 @@ def test_latency_histogram_passes_promtool_check_metrics(exporter: tuple[Embeddi
     assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
 
 
+def test_rpc_metrics_pass_promtool_check_metrics() -> None:
+    """The server's RPC families (embcache's histogram and the grpc_server_* names) are valid exposition
+    text, every bucket exercised, and agree per method and code."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from embcache.rpc.v1 import embcache_pb2 as pb
+    from embcache.server.rpcmetrics import RpcMetrics
+    from embcache.server.serve import _LATENCY_BUCKETS
+
+    metrics = RpcMetrics(pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"], _LATENCY_BUCKETS)
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    for i, seconds in enumerate((0.0, 0.0004, 0.0005, 0.003, 0.04, 0.7, 9.0, 31.0)):
+        metrics.started("Lookup")
+        metrics.handled("Lookup", "OK" if i % 3 else "NOT_FOUND", seconds)
+    metrics.started("PrefetchStream")
+    for _ in range(3):
+        metrics.received("PrefetchStream")
+        metrics.sent("PrefetchStream")
+    metrics.handled("PrefetchStream", "CANCELLED", 0.2)
+    text = generate_latest(registry).decode()
+    out = run([tool("promtool"), "check", "metrics"], stdin=text)
+    assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    service = ("grpc_service", "embcache.rpc.v1.EmbeddingCacheService")
+    lookup = (("grpc_method", "Lookup"), service, ("grpc_type", "unary"))
+    assert samples[("grpc_server_started_total", lookup)] == 8
+    assert samples[("grpc_server_msg_received_total", lookup)] == 8
+    assert samples[("grpc_server_msg_sent_total", lookup)] == 5  # one reply per call that ended OK
+    assert samples[("grpc_server_handling_seconds_count", lookup)] == 8
+    assert samples[("grpc_server_handling_seconds_bucket", (*lookup, ("le", "0.0005")))] == 3  # le: <= the bound
+    assert samples[("grpc_server_handling_seconds_bucket", (*lookup, ("le", "30.0")))] == 7
+    own = {(dict(k[1])["method"], dict(k[1])["code"]): v for k, v in samples.items()
+           if k[0] == "embcache_rpc_request_duration_seconds_count"}
+    std = {(dict(k[1])["grpc_method"], dict(k[1])["grpc_code"]): v for k, v in samples.items()
+           if k[0] == "grpc_server_handled_total"}
+    assert own == std == {("Lookup", "NOT_FOUND"): 3, ("Lookup", "OK"): 5, ("PrefetchStream", "CANCELLED"): 1}
+    stream = (("grpc_method", "PrefetchStream"), service, ("grpc_type", "bidi_stream"))
+    assert samples[("grpc_server_msg_received_total", stream)] == samples[("grpc_server_msg_sent_total", stream)] == 3
+
+
 # ------------------------------------------------------------------ Kubernetes and the image
 def test_kubernetes_manifests_validate_strict() -> None:
     assert {p.name for p in MANIFESTS} >= {"statefulset.yaml", "service.yaml", "configmap.yaml", "networkpolicy.yaml"}
@@ -814,6 +857,11 @@ def test_prometheus_records_the_hit_ratio_of_a_live_server(tmp_path: Path) -> No
         # The server's request histogram, by method and status.
         calls = prom.query('embcache_rpc_request_duration_seconds_count{method="Lookup",code="OK"}')
         assert [v for _, v in calls.values()] == [25]
+        # and the same count under the grpc-ecosystem's standard names
+        for query in ('grpc_server_handled_total{grpc_method="Lookup",grpc_code="OK",grpc_type="unary"}',
+                      'grpc_server_handling_seconds_count{grpc_method="Lookup"}',
+                      'grpc_server_started_total{grpc_method="Lookup"}'):
+            assert [v for _, v in prom.query(query).values()] == [25], query
 
         # Every rule (alerts too) evaluates without error on the real series.
         groups = json.loads(fetch(prom.url + "/api/v1/rules"))["data"]["groups"]

@@ -286,6 +286,71 @@ def test_metrics_endpoint(served: Served) -> None:
     assert re.search(r"^embcache_migration_pending 0", text, re.M)
 
 
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _scrape(server: LocalServer) -> Samples:
+    """Every sample of the server's /metrics, by (name, sorted labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_standard_grpc_server_metrics(served: Served) -> None:
+    """The grpc-ecosystem (go-grpc-prometheus) names count each call once, refused ones and streams included,
+    and agree with embcache_rpc_request_duration_seconds; health checks are counted in neither."""
+    server, stub = served
+    service = "embcache.rpc.v1.EmbeddingCacheService"
+    before = _scrape(server)
+    lookups = 4
+    for i in range(lookups):
+        _lookup(stub, "b", [i, i + 1])
+    _expect(grpc.StatusCode.NOT_FOUND, "UnknownTableError", lambda: _lookup(stub, "nope", [1]))
+    with grpc.insecure_channel(server.address) as channel:  # a probe: not a cache call, not counted
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    chunks = [pb.PrefetchRequest(keysets=[pb.TableKeyset(table="a", keys=_t([1, 2]))], wait=True),
+              pb.PrefetchRequest(keysets=[pb.TableKeyset(table="a", keys=_t([3]))])]
+    assert [m.done for m in stub.PrefetchStream(iter(chunks), timeout=30)] == [False, True]  # bidi: 2 in, 2 out
+    begin = [pb.BeginPassRequest(keysets=[pb.TableKeyset(table="b", keys=_t([7]))]) for _ in range(3)]
+    stub.BeginPassStream(iter(begin), timeout=30)  # client stream: 3 in, 1 out
+    assert len(list(stub.EndPass(pb.EndPassRequest(wait=True), timeout=30))) == 2  # server stream: 1 in, 2 out
+    after = _scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    calls = {  # method: (grpc_type, {code: calls}, messages received, messages sent)
+        "Lookup": ("unary", {"OK": lookups, "NOT_FOUND": 1}, lookups + 1, lookups),
+        "PrefetchStream": ("bidi_stream", {"OK": 1}, 2, 2),
+        "BeginPassStream": ("client_stream", {"OK": 1}, 3, 1),
+        "EndPass": ("server_stream", {"OK": 1}, 1, 2),
+    }
+    for method, (kind, codes, received, sent) in calls.items():
+        labels = {"grpc_type": kind, "grpc_service": service, "grpc_method": method}
+        handled = sum(codes.values())
+        assert delta("grpc_server_started_total", **labels) == handled, method
+        for code, n in codes.items():
+            assert delta("grpc_server_handled_total", **labels, grpc_code=code) == n, (method, code)
+            assert delta("embcache_rpc_request_duration_seconds_count", method=method, code=code) == n, (method, code)
+        assert delta("grpc_server_handling_seconds_count", **labels) == handled, method
+        assert delta("grpc_server_handling_seconds_bucket", **labels, le="+Inf") == handled, method
+        assert delta("grpc_server_msg_received_total", **labels) == received, method
+        assert delta("grpc_server_msg_sent_total", **labels) == sent, method
+    # nothing else changed: no other method, no health or reflection series
+    changed = {dict(k[1]).get("grpc_method") for k in after
+               if k[0].startswith("grpc_server_") and after[k] != before.get(k, 0.0)}
+    assert changed == set(calls), changed
+    assert not [k for k in after if k[0].startswith("grpc_") and dict(k[1]).get("grpc_service") != service]
+    # the two families agree on every series the server has (not only this test's calls)
+    own = {(dict(k[1])["method"], dict(k[1])["code"]): v for k, v in after.items()
+           if k[0] == "embcache_rpc_request_duration_seconds_count"}
+    std = {(dict(k[1])["grpc_method"], dict(k[1])["grpc_code"]): v for k, v in after.items()
+           if k[0] == "grpc_server_handled_total"}
+    assert own == std and own
+
 def test_memory_limit_is_read_from_the_cgroup_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from embcache import config
     from embcache.server.procmetrics import memory_limit_bytes

@@ -12,13 +12,16 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from ..errors import ConfigError
 from ..rpc.v1 import embcache_pb2 as pb
 from .handlers import SERVICE_NAME, method_handler
+
+if TYPE_CHECKING:
+    from .rpcmetrics import RpcMetrics
 
 __all__ = ["READ_METHODS", "ROLES", "WRITE_METHODS", "TokenAuth", "read_tokens", "roles_text"]
 
@@ -100,8 +103,8 @@ def _matches(token: str, tokens: set[str]) -> bool:
 class TokenAuth(grpc.ServerInterceptor):
     """Checks ``authorization: Bearer <token>`` on cache calls; health and reflection stay open."""
 
-    def __init__(self, rw: set[str], ro: set[str], observe: Callable[[str, str, float], None]) -> None:
-        self._rw, self._ro, self._observe = rw, ro, observe
+    def __init__(self, rw: set[str], ro: set[str], metrics: RpcMetrics) -> None:
+        self._rw, self._ro, self._metrics = rw, ro, metrics
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
                           details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -128,9 +131,10 @@ class TokenAuth(grpc.ServerInterceptor):
 
     def _refuse(self, handler: grpc.RpcMethodHandler | None, name: str, code: grpc.StatusCode, message: str,
                 t0: float) -> grpc.RpcMethodHandler | None:
-        """A handler that records the time since ``t0`` (the call's arrival) and aborts with ``code``."""
+        """A handler that counts the call, records the time since ``t0`` (its arrival) and aborts with ``code``."""
         def abort(request: Any, context: grpc.ServicerContext) -> Any:
-            self._observe(name, code.name, time.perf_counter() - t0)
+            self._metrics.started(name)
+            self._metrics.handled(name, code.name, time.perf_counter() - t0)
             context.abort(code, message)
 
         if handler is None:

@@ -90,9 +90,11 @@ def _checkpoint_problem(directory: str) -> str | None:
     return None
 
 
-def _checked(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Iterator[Any]:
+def _checked(requests: Iterator[Any], context: grpc.ServicerContext, method: str,
+             on_message: Callable[[], None] = lambda: None) -> Iterator[Any]:
     """A request stream whose malformed message raises InvalidKeysError where the handler reads it,
     and whose end raises StreamCancelledError when the client cancelled it instead of closing it.
+    ``on_message()`` runs for every message read (malformed ones too).
 
     gRPC ends the requests of a call the client cancelled (or whose deadline passed) mid-stream
     just as if the client had sent its last chunk, and learns of the cancellation a moment later:
@@ -102,6 +104,7 @@ def _checked(requests: Iterator[Any], context: grpc.ServicerContext, method: str
     ended = threading.Event()
     context.add_callback(ended.set)  # runs when the call terminates (cancelled, or finished)
     for request in requests:
+        on_message()
         if isinstance(request, _Malformed):
             raise InvalidKeysError(request.message)
         yield request
@@ -113,13 +116,25 @@ def _checked(requests: Iterator[Any], context: grpc.ServicerContext, method: str
 
 def _guarded(servicer: EmbeddingCacheServicer, name: str, streaming: bool) -> Behavior:
     """The servicer's method ``name``, refusing a malformed request with INVALID_ARGUMENT before it runs
-    (and with a request stream, cut when it idles: see :class:`~embcache.server.overload.StreamWatchdog`)."""
+    (and with a request stream, cut when it idles: see :class:`~embcache.server.overload.StreamWatchdog`).
+
+    Each call is counted as started here, and each message of a request stream as it is read;
+    the servicer counts the call's end (every path through it ends in exactly one
+    ``metrics.handled``: see :mod:`embcache.server.rpcmetrics`).
+    """
     method = getattr(servicer, name)
+    metrics = servicer.metrics
     if streaming:
-        return lambda requests, context: method(_checked(servicer.watch(requests, context, name), context, name),
-                                                context)
+        def received() -> None:
+            metrics.received(name)
+
+        def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            metrics.started(name)
+            return method(_checked(servicer.watch(requests, context, name), context, name, received), context)
+        return stream
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        metrics.started(name)
         if isinstance(request, _Malformed):
             servicer.refuse_malformed(name, context, request.message)
         return method(request, context)

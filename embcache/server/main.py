@@ -7,9 +7,10 @@ The server holds one :class:`~embcache.EmbeddingCache` (store under ``--path``) 
 ``embcache.rpc.v1.EmbeddingCacheService``, the standard gRPC health service and server
 reflection. Tables come from the config file (``[[tables]]``), from ``--table``, or from clients
 (CreateTable); every table persists with the store, so a restart on the same ``--path`` serves
-them again with their rows. Prometheus metrics (the cache's own and
-``embcache_rpc_request_duration_seconds{method,code}``) are served on
-``http://METRICS_HOST:METRICS_PORT/metrics``.
+them again with their rows. Prometheus metrics (the cache's own,
+``embcache_rpc_request_duration_seconds{method,code}`` and the standard gRPC server names
+``grpc_server_handled_total``, ``grpc_server_handling_seconds``, ... from the same count) are
+served on ``http://METRICS_HOST:METRICS_PORT/metrics``.
 
 Durability (what an acknowledged write survives):
   default                     Updates live in memory (HBM/DDR) and in the store only once written

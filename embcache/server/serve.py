@@ -34,6 +34,7 @@ from .leases import LeaseTable
 from .ledger import WriteLedger
 from .overload import HEALTH_THREADS, StreamWatchdog, add_health
 from .procmetrics import register_process_metrics
+from .rpcmetrics import RpcMetrics
 from .servicer import EmbeddingCacheServicer
 from .settings import ServerSettings
 from .sharding import ShardGate
@@ -123,7 +124,7 @@ def start_server(s: ServerSettings) -> RunningServer:
         ConfigError, TableConflictError, StoreLockedError, StoreError: the cache could not be opened.
         RuntimeError: the address could not be bound.
     """
-    from prometheus_client import CollectorRegistry, Histogram, start_http_server
+    from prometheus_client import CollectorRegistry, start_http_server
 
     from ..metrics import register_metrics
 
@@ -145,12 +146,9 @@ def start_server(s: ServerSettings) -> RunningServer:
     try:
         registry = CollectorRegistry()
         register_metrics(cache, registry)
-        latency = Histogram("embcache_rpc_request_duration_seconds", "Time to serve a call, by method and status code",
-                            ["method", "code"], registry=registry, buckets=_LATENCY_BUCKETS)
-
-        def observe(method: str, code: str, seconds: float) -> None:
-            latency.labels(method, code).observe(seconds)
-
+        # embcache_rpc_request_duration_seconds and the grpc_server_* names, from one count
+        rpc_metrics = RpcMetrics(pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"], _LATENCY_BUCKETS)
+        registry.register(rpc_metrics)
         durability = Durability(cache, WriteLedger(config.path, s.sync), s.flush_every_updates,
                                 s.flush_interval_seconds, s.sync)
         info = pb.ServerInfo(version=__version__, max_batch_keys=config.max_batch_keys,
@@ -161,7 +159,7 @@ def start_server(s: ServerSettings) -> RunningServer:
         gate = ShardGate(config.path, cache)
         gate.register_metrics(registry)
         register_process_metrics(registry, __version__)
-        servicer = EmbeddingCacheServicer(cache, durability, info, observe,
+        servicer = EmbeddingCacheServicer(cache, durability, info, rpc_metrics,
                                           s.checkpoint_root or os.path.join(config.path, "checkpoints"),
                                           LeaseTable(cache, float(s.max_lease_seconds)), gate,
                                           StreamWatchdog(float(s.stream_idle_seconds)))
@@ -173,7 +171,7 @@ def start_server(s: ServerSettings) -> RunningServer:
         options = [("grpc.max_send_message_length", s.max_message_bytes),
                    ("grpc.max_receive_message_length", s.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # two servers must never share a port silently
-        interceptors = [TokenAuth(rw, ro, observe)] if rw or ro else []
+        interceptors = [TokenAuth(rw, ro, rpc_metrics)] if rw or ro else []
         server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embcache-rpc"),
                              options=options, interceptors=interceptors)
         add_to_server(servicer, server, stream_pool)

@@ -3,7 +3,9 @@
 Each method decodes its request (:mod:`embcache.server.decoding`, over :mod:`embcache.rpc.codec`),
 calls the library and encodes the reply; every rule about keys, rows, tables and passes lives in
 the library. Typed errors become status codes through the one table in :mod:`embcache.rpc.errors`,
-with the type's name in the trailing metadata. Latency is recorded per method and status code.
+with the type's name in the trailing metadata. Each call is counted once when it ends, with its status
+code and latency, in :class:`~embcache.server.rpcmetrics.RpcMetrics` (and when it starts, by the
+handlers); so are the messages of reply streams.
 
 Concurrency: gRPC runs each call on a worker thread; the cache serializes operations per table
 (one lock each) and releases the GIL in its heavy parts, so calls on different tables, and the
@@ -64,6 +66,7 @@ from .durability import Durability
 from .handlers import SERVICE_NAME, add_to_server
 from .leases import LeaseTable
 from .overload import StreamWatchdog
+from .rpcmetrics import RpcMetrics
 from .sharding import ShardGate
 
 __all__ = ["LOOKUP_CHUNK_KEYS", "READ_METHODS", "ROLES", "SERVICE_NAME", "WRITE_METHODS", "Durability",
@@ -85,7 +88,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         cache: the cache (owned by the caller, who closes it after the server stopped).
         durability: the flush policy applied after writes.
         server_info: limits and settings reported by ListTables.
-        observe: ``observe(method, code_name, seconds)`` records a call's latency (e.g. a Prometheus histogram).
+        metrics: counts the calls: their end (status code name and latency) is recorded here, their start
+            and request messages by :func:`~embcache.server.handlers.add_to_server`'s handlers.
         checkpoint_root: directory under which Checkpoint may write.
         leases: the batch leases (default: a table with the server's longest time-to-live).
         gate: the shard map's gate (default: one over the cache's store directory).
@@ -93,14 +97,15 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
     """
 
     def __init__(self, cache: EmbeddingCache, durability: Durability, server_info: pb.ServerInfo,
-                 observe: Callable[[str, str, float], None], checkpoint_root: str,
+                 metrics: RpcMetrics, checkpoint_root: str,
                  leases: LeaseTable | None = None, gate: ShardGate | None = None,
                  watchdog: StreamWatchdog | None = None) -> None:
         self._cache = cache
         self._gate = gate if gate is not None else ShardGate(cache.config.path, cache)
         self._durability = durability
         self._info = server_info
-        self._observe = observe
+        self.metrics = metrics
+        self._observe = metrics.handled
         self._checkpoint_root = os.path.realpath(checkpoint_root)
         self._stopping = threading.Event()
         self._ledger = durability.ledger
@@ -170,11 +175,16 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         t0 = time.perf_counter()
         self._refuse_if_stopping(method, context, t0)
         try:
-            yield from gen
+            for reply in gen:
+                yield reply
+                self.metrics.sent(method)  # gRPC came back for the next reply: it has sent this one
         except CancelledError:  # the client went away and its staging was cancelled
             self._observe(method, "CANCELLED", time.perf_counter() - t0)
             return
         except GeneratorExit:  # the call ended (the client cancelled it or went away) before the stream did
+            close = getattr(gen, "close", None)  # (as ``yield from`` did: the stream's own clean-up runs first)
+            if close is not None:
+                close()
             self._observe(method, "CANCELLED", time.perf_counter() - t0)
             raise
         except Exception as exc:
