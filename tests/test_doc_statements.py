@@ -15,7 +15,8 @@ server/README.md and deploy/README.md. Each statement found is its own test, nam
    ``embcache.rpc.errors``, ...) or a builtin; "`X` (a `Y`)", "`X`, a `Y`" and "`X` (an `Y`)"
    hold as ``issubclass(X, Y)``; a paragraph saying its errors are "each also a `A`, `B` or
    `C`" holds for every error it lists, and the errors page's "every error ... (and of the
-   matching built-in: ...)" holds for every class of ``embcache.errors``.
+   matching built-in: ...)" holds for every class of ``embcache.errors``; "`X` (CODE",
+   "`X`, CODE", "CODE: `X`" and "CODE (`X`" name the gRPC status code the server sends X as.
 3. Config: the option tables of docs/concepts/tiers.md name every field of ``TableConfig`` /
    ``CacheConfig`` and no other, with the dataclass's defaults; ``CacheConfig.x`` /
    ``TableConfig.x`` anywhere names a field; "`name`, default V" and "`name` (default V)"
@@ -361,6 +362,53 @@ def test_error_claims_are_found() -> None:
     assert len(ERRORS) > 40
     assert any("each also" in c[1] for c in CLAIMS) and any("matching built-in" in c[1] for c in CLAIMS)
     assert any(c[2] == ["TLSMismatchError"] for c in CLAIMS)
+
+
+# "`StoreFullError` (RESOURCE_EXHAUSTED", "`WrongShardError`, FAILED_PRECONDITION", "NOT_FOUND: `UnknownTableError`",
+# "UNAUTHENTICATED (`UnauthenticatedError`": the status code the server sends the error as
+# (embcache.rpc.errors.status_of), or, for the client's own types, the code it raises them for.
+STATUS_AFTER = re.compile(r"`([A-Z]\w*Error)`(?: \(|, )([A-Z][A-Z_]{3,})\b")
+STATUS_BEFORE = re.compile(r"\b([A-Z][A-Z_]{3,})(?:: | \()`([A-Z]\w*Error)`")
+
+
+def _status_claims() -> list[tuple[str, str, str, str]]:
+    import grpc
+
+    codes = {c.name for c in grpc.StatusCode}
+    out = []
+    for p in PARAS:
+        if p.fenced:
+            continue
+        text = re.sub(r"\s+", " ", p.text)
+        found = [(m.group(0), m.group(1), m.group(2)) for m in STATUS_AFTER.finditer(text)]
+        found += [(m.group(0), m.group(2), m.group(1)) for m in STATUS_BEFORE.finditer(text)]
+        for written, error, code in found:
+            if code in codes:
+                m = re.search(re.escape(f"`{error}`"), p.text)
+                out.append((p.where(m.start() if m else 0), written, error, code))
+    return out
+
+
+STATUS_CLAIMS = _status_claims()
+
+
+@pytest.mark.parametrize(("where", "written", "error", "code"), STATUS_CLAIMS, ids=_ids(STATUS_CLAIMS))
+def test_error_status_code(where: str, written: str, error: str, code: str) -> None:
+    import grpc
+
+    from embcache.rpc import errors
+
+    cls = _error_classes().get(error)
+    assert cls is not None, f"{where}: {written!r}: no error type {error}"
+    sent = errors.status_of(cls.__new__(cls))[0]
+    raised_for = getattr(errors, "_BY_CODE", {}).get(getattr(grpc.StatusCode, code))
+    assert sent.name == code or raised_for is cls, (
+        f"{where}: {written!r}, but the server sends {error} as {sent.name}")
+
+
+def test_status_claims_are_found() -> None:
+    assert {("StoreFullError", "RESOURCE_EXHAUSTED"), ("UnknownTableError", "NOT_FOUND")} <= {
+        (c[2], c[3]) for c in STATUS_CLAIMS}
 
 
 # ---------------------------------------------------------------------- 3. config options
