@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from .client.transport import Shard, Topology
     from .config import TableConfig
 
-__all__ = ["FleetLink", "ReshardReport", "add_arguments", "reshard", "run"]
+__all__ = ["FleetLink", "ReshardReport", "add_arguments", "migrate", "reshard", "run"]
 
 
 class FleetLink(Protocol):
@@ -129,10 +129,20 @@ def _named(servers: Mapping[str, str] | Sequence[str]) -> dict[str, str]:
 
 def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress: bool = True,
             batch_rows: int = 65536) -> ReshardReport:
-    """Move the fleet ``client`` talks to onto ``servers``, migrating every row whose owner changes.
+    """Move the fleet ``client`` talks to onto ``servers``: :meth:`Client.reshard <embcache.Client.reshard>`.
+
+    ``client`` (a client of the fleet) lends its credentials, and routes by the new map after.
+    The other arguments, the result and the errors are :func:`migrate`'s.
+    """
+    return client.reshard(servers, progress=progress, batch_rows=batch_rows)
+
+
+def migrate(link: FleetLink, servers: Mapping[str, str] | Sequence[str], progress: bool = True,
+            batch_rows: int = 65536) -> ReshardReport:
+    """Move the fleet ``link`` reaches onto ``servers``, migrating every row whose owner changes.
 
     Args:
-        client: a client of the fleet (its credentials are used; it routes by the new map after).
+        link: the coordinator's way to the fleet (a client's transport).
         servers: the new shard list: ``["host:port", ...]`` or ``{name: "host:port"}``; shards
             that stay must keep their names.
         progress: show a progress bar of the rows copied (stderr).
@@ -149,7 +159,6 @@ def reshard(client: Client, servers: Mapping[str, str] | Sequence[str], progress
     """
     t_start = time.monotonic()
     named = _named(servers)
-    link: FleetLink = client._transport  # all the coordinator uses of the client
     topo = link.topology
     shards = link.reach(named)  # a shard that stays is reached where this client reaches it
     deadline = time.monotonic() + link.long_timeout

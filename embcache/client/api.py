@@ -27,21 +27,19 @@ from ..errors import (
     InvalidGradientError,
     InvalidKeysError,
     InvalidRowsError,
-    NonFiniteGradientError,
     UnknownTableError,
 )
 from ..keyset import Keyset
 from ..optim import state_width
 from ..receipts import Receipts
-from ..reshard import ReshardReport
-from ..reshard import reshard as _reshard
+from ..reshard import ReshardReport, migrate
 from ..ring import ShardMap
 from ..rpc import codec
 from ..rpc.errors import DeadlineExceededError, TLSMismatchError, UnavailableError, error_from_rpc
 from ..rpc.v1 import embcache_pb2 as pb
 from ..tier import resident_row_bytes
 from ..types import memory_tier
-from ..validate import all_finite, checked_keys, checked_rows
+from ..validate import all_finite, checked_keys, checked_rows, nonfinite_gradients
 from . import routing
 from .discovery import Resolver, resolve_expected
 from .durability import settle
@@ -199,7 +197,8 @@ class Client:
         self.reshard(named, progress=progress)
         return True
 
-    def reshard(self, servers: Sequence[str] | Mapping[str, str], progress: bool = True) -> ReshardReport:
+    def reshard(self, servers: Sequence[str] | Mapping[str, str], progress: bool = True,
+                batch_rows: int = 65536) -> ReshardReport:
         """Move the fleet onto ``servers`` (add or remove shards), migrating every row whose owner changes.
 
         Training may go on meanwhile, in this process and others: writes to the rows being
@@ -210,12 +209,13 @@ class Client:
         Args:
             servers: the new shard list (``"host:port"`` list, or ``{name: "host:port"}``).
             progress: a progress bar of the rows copied (stderr).
+            batch_rows: store rows a source scans per exported message.
 
         Raises:
-            ConfigError, UnavailableError, DeadlineExceededError, StoreError (see :func:`embcache.reshard.reshard`).
+            ConfigError, UnavailableError, DeadlineExceededError, StoreError (see :func:`embcache.reshard.migrate`).
         """
         self._transport.check_open()
-        return _reshard(self, servers, progress=progress)
+        return migrate(self._transport, servers, progress=progress, batch_rows=batch_rows)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -351,7 +351,7 @@ class Client:
         if self._transport.reject_nonfinite:
             for t, (_, g) in batch.items():
                 if not all_finite(g):
-                    raise NonFiniteGradientError(f"gradients of table {t!r} contain NaN or inf; nothing was applied")
+                    raise nonfinite_gradients(t)  # the server's own refusal, checked before sending
         routing.write(self._transport, self._receipts, "ApplyGradients", batch, pb.ApplyGradientsRequest)
 
     def assign(self, table: str, keys: Any, rows: Any) -> None:
