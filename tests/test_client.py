@@ -534,6 +534,24 @@ def test_create_table_is_idempotent_and_refuses_conflicts(client: Client) -> Non
     assert client.tables()[cfg.name] == cfg
 
 
+def test_admission_through_the_fleet(client: Client) -> None:
+    # admit_after travels with the table's definition to every shard; a key's lookups all reach
+    # its one shard, so the fleet admits exactly as one cache would
+    (base,) = _tables((4, "sgd"))
+    cfg = TableConfig(**{**base.to_dict(), "admit_after": 2, "unadmitted": "zeros"})
+    assert client.create_table(cfg)
+    assert client.tables()[cfg.name] == cfg
+    keys = np.arange(30)
+    assert not client.lookup(cfg.name, keys).any()  # first sight: zeros, nothing kept
+    client.apply_gradients(cfg.name, keys, torch.ones(30, 4))  # dropped: not admitted yet
+    second = client.lookup(cfg.name, keys)  # admitted now: the initializer's rows, untrained
+    assert second.abs().sum(dim=1).gt(0).all()
+    client.apply_gradients(cfg.name, keys, torch.ones(30, 4))
+    torch.testing.assert_close(client.lookup(cfg.name, keys), second - 0.05, rtol=0, atol=1e-6)
+    adm = client.stats()[cfg.name]["admission"]
+    assert (adm["unadmitted_lookups"], adm["dropped_updates"], adm["admitted_rows"]) == (30, 30, 30)
+
+
 def test_input_errors_are_raised_before_sending(client: Client) -> None:
     (cfg,) = _tables((4, "sgd"))
     client.create_table(cfg)
