@@ -25,7 +25,6 @@ from ..keyset import Keyset
 from ..prefetch import PrefetchFuture
 from ..validate import check_open
 from . import durability
-from .rows import clean_rows
 from .table import STAGE_CHUNK, TableEngine
 
 __all__ = ["Passes", "all_locked"]
@@ -194,8 +193,7 @@ class Passes:
                         weights[stale], state[stale] = again.weights, again.state
                 keys = chunk[keep]
                 n = keys.numel()
-                rows = clean_rows(keys, weights[keep], state[keep], t.sketch.estimate(keys) if n else
-                                  torch.empty(0, dtype=torch.float64), t.clock.now)
+                rows = t.stage_meta(keys, None, 0.0, t.clock.now, weights[keep], state[keep])
                 # free HBM first, then DDR over unpinned rows, then HBM over unpinned rows
                 a = min(n, t.hbm.free)
                 b = min(n - a, t.ddr.capacity - t.ddr.pinned_count())

@@ -27,7 +27,7 @@ import torch
 
 from ..keyset import Keyset
 from ..tier import MemoryTier, RowBatch, ScoreOf, to_device
-from .rows import StagedRead
+from .rows import StagedRead, merge_in_order
 
 if TYPE_CHECKING:
     from .table import TableEngine
@@ -115,14 +115,7 @@ def _take(demoted: RowBatch, staged: RowBatch, index: torch.Tensor) -> RowBatch:
     """Rows of ``demoted + staged`` at ``index``, in that order, copying only the rows taken."""
     n = len(demoted)
     from_d = index < n
-    rows = RowBatch.cat([demoted.select(index[from_d]), staged.select(index[~from_d] - n)])
-    k = int(from_d.sum())
-    if bool(from_d[:k].all()):  # the demoted rows come first (plan_access): already in order
-        return rows
-    order = torch.cat([torch.nonzero(from_d).flatten(), torch.nonzero(~from_d).flatten()])
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
-    return rows.select(inverse)
+    return merge_in_order(demoted.select(index[from_d]), staged.select(index[~from_d] - n), from_d)
 
 
 def admit(t: TableEngine, tier: MemoryTier, cand_scores: torch.Tensor, extra_free: int,

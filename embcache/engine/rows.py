@@ -28,7 +28,7 @@ from ..tier import RowBatch
 from .stats import SsdStats
 
 __all__ = ["META_TABLES", "Read", "ReaderPool", "RecordCodec", "StagedRead", "StoreRows", "admission_meta",
-           "clean_rows", "clock_meta", "record_bytes", "sketch_meta", "table_meta_names"]
+           "clean_rows", "clock_meta", "merge_in_order", "record_bytes", "sketch_meta", "table_meta_names"]
 
 META_TABLES = "tables"  # the JSON list of every table's definition
 
@@ -68,6 +68,19 @@ def clean_rows(keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, f
     n = keys.numel()
     return RowBatch(keys, weights, state, freq, torch.full((n,), now, dtype=torch.int64),
                     torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int32))
+
+
+def merge_in_order(first: RowBatch, rest: RowBatch, from_first: torch.Tensor) -> RowBatch:
+    """Rows in the order ``from_first`` (bool [n]) gives: where it is True the next row of
+    ``first``, elsewhere the next row of ``rest``. When ``first``'s rows all come first, no
+    permutation is needed."""
+    rows = RowBatch.cat([first, rest])
+    if bool(from_first[:len(first)].all()):
+        return rows
+    order = torch.cat([torch.nonzero(from_first).flatten(), torch.nonzero(~from_first).flatten()])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return rows.select(inverse)
 
 
 @dataclass

@@ -49,6 +49,7 @@ from .rows import (
     admission_meta,
     clean_rows,
     clock_meta,
+    merge_in_order,
     sketch_meta,
 )
 from .stats import TableStats
@@ -261,7 +262,7 @@ class TableEngine:
             # values; the commit waits for the read only before it moves rows.
             future = self.readers.submit(self.rows, s_keys)
             staged = self.stage_meta(s_keys, s_counts, inc, now, torch.empty(s_keys.numel(), 0),
-                                      torch.empty(s_keys.numel(), 0))
+                                     torch.empty(s_keys.numel(), 0))
             read = StagedRead(staged, s_counts, future)
         else:
             staged = self.stage(s_keys, s_counts, inc, now)
@@ -300,14 +301,14 @@ class TableEngine:
         """
         if keys.numel() == 0:
             return self.stage_meta(keys, None, inc, now, torch.empty(0, self.cfg.dim, dtype=self.cfg.torch_dtype),
-                                    torch.empty(0, self.state_width, dtype=torch.float32))
+                                   torch.empty(0, self.state_width, dtype=torch.float32))
         read = self.rows.read(keys)
         rows = self.stage_meta(keys, counts, inc, now, read.weights, read.state)
         self.count_stage(counts, read)
         return rows
 
     def stage_meta(self, keys: torch.Tensor, counts: torch.Tensor | None, inc: float, now: int,
-                    weights: torch.Tensor, state: torch.Tensor) -> RowBatch:
+                   weights: torch.Tensor, state: torch.Tensor) -> RowBatch:
         """Clean rows of ``keys`` with ``weights`` and ``state``, their frequencies from the sketch
         (with ``counts``, this access is added first)."""
         if keys.numel() and counts is not None:
@@ -352,11 +353,7 @@ class TableEngine:
         sorted_keys, order = torch.sort(pool.keys)
         pos = torch.searchsorted(sorted_keys, keys).clamp_(max=sorted_keys.numel() - 1)
         hit = sorted_keys[pos] == keys
-        merged = RowBatch.cat([pool.select(order[pos[hit]]), self.stage(keys[~hit], None, 0.0, now)])
-        perm = torch.cat([torch.nonzero(hit).flatten(), torch.nonzero(~hit).flatten()])
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel())
-        return merged.select(inverse)
+        return merge_in_order(pool.select(order[pos[hit]]), self.stage(keys[~hit], None, 0.0, now), hit)
 
     # ------------------------------------------------------------------ changing rows
     def modify(self, ukeys: torch.Tensor, fn: RowUpdate, read_store: bool = True,
@@ -406,7 +403,7 @@ class TableEngine:
         else:
             n = skeys.numel()
             staged = self.stage_meta(skeys, None, 0.0, now, torch.empty(n, self.cfg.dim, dtype=self.cfg.torch_dtype),
-                                      torch.empty(n, self.state_width))
+                                     torch.empty(n, self.state_width))
         w, s = fn(staged.weights, staged.state, s_idx)
         w, s = to_host(w, s)
         staged.weights, staged.state = w.to(self.cfg.torch_dtype), s
