@@ -123,3 +123,17 @@ def test_admission_is_in_the_metrics_config_and_wire(make_cache: Any) -> None:
         _table(-1)
     with pytest.raises(ConfigError, match="unadmitted"):
         _table(2, "random")
+
+
+def test_stored_rows_are_not_read_twice_by_the_update_after_a_lookup(make_cache: Any, tmp_path: Any) -> None:
+    path = str(tmp_path / "adm3")
+    cache = make_cache(hbm_rows=0, ddr_rows=0, tables=[_table(0)], path=path)  # nothing cached
+    cache.apply_gradients("t", torch.arange(50), torch.ones(50, 8))  # stored before admission
+    cache.close()
+    cache = make_cache(hbm_rows=0, ddr_rows=0, tables=[_table(N)], path=path)
+    for _ in range(2):
+        reads = cache.stats()["t"]["ssd"]["reads"]
+        cache.lookup("t", torch.arange(50))
+        cache.apply_gradients("t", torch.arange(50), torch.ones(50, 8))  # the lookup's rows, kept aside
+        assert cache.stats()["t"]["ssd"]["reads"] == reads + 1  # the lookup's read only
+    assert cache.stats()["t"]["admission"]["dropped_updates"] == 0

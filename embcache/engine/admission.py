@@ -34,6 +34,7 @@ def stage_admitting(t: TableEngine, keys: torch.Tensor, counts: torch.Tensor, in
     assert t.admission is not None
     read = t.rows.read(keys)
     keep = read.fmask.clone()
+    _mark_stored(t, keys[read.fmask])
     new = torch.nonzero(~read.fmask).flatten()
     if new.numel():
         seen = t.admission.add_and_estimate(keys[new], counts[new].to(torch.float64))
@@ -67,5 +68,15 @@ def admitted(t: TableEngine, keys: torch.Tensor) -> torch.Tensor:
     ok = t.admission.estimate(keys) >= t.cfg.admit_after
     maybe = torch.nonzero(~ok).flatten()
     if maybe.numel():  # rows stored before admission was on, imported or assigned are admitted
-        ok[maybe] = t.rows.read_counted(keys[maybe]).fmask
+        stored = t.rows.read_counted(keys[maybe]).fmask
+        ok[maybe] = stored
+        _mark_stored(t, keys[maybe][stored])
     return ok
+
+
+def _mark_stored(t: TableEngine, keys: torch.Tensor) -> None:
+    """Count stored ``keys`` as admitted, so that :func:`admitted` answers for them without reading
+    the store again (the update after a lookup would otherwise read each such row twice)."""
+    assert t.admission is not None
+    if keys.numel():
+        t.admission.raise_to(keys, torch.full((keys.numel(),), float(t.cfg.admit_after)))
