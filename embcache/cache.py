@@ -245,14 +245,17 @@ class EmbeddingCache:
         keys = checked_keys(keys, self._config.max_batch_keys, self._device)
         return keys, to_device(keys, self._device)
 
-    def _rows(self, what: str, values: Any, n: int, t: TableEngine,
-              err: type[InvalidGradientError] | type[InvalidRowsError]) -> torch.Tensor:
-        return to_device(checked_rows(what, values, n, t.cfg.dim, err, self._device), self._device)
-
-    def _gradient_shapes(self, table: str, keys: Any, grads: Any) -> tuple[TableEngine, torch.Tensor, torch.Tensor]:
+    def _shaped(self, table: str, keys: Any, values: Any, what: str,
+                err: type[InvalidGradientError] | type[InvalidRowsError]
+                ) -> tuple[TableEngine, torch.Tensor, torch.Tensor]:
+        """The table, and ``keys`` and float32 ``values`` [n, dim] checked and on the cache's device."""
         t = self._table(table)
         keys = self._keys_both(keys)[1]
-        return t, keys, self._rows("gradients", grads, keys.numel(), t, InvalidGradientError)
+        rows = checked_rows(what, values, keys.numel(), t.cfg.dim, err, self._device)
+        return t, keys, to_device(rows, self._device)
+
+    def _gradient_shapes(self, table: str, keys: Any, grads: Any) -> tuple[TableEngine, torch.Tensor, torch.Tensor]:
+        return self._shaped(table, keys, grads, "gradients", InvalidGradientError)
 
     def _checked_gradients(self, table: str, keys: Any, grads: Any) -> tuple[TableEngine, torch.Tensor, torch.Tensor]:
         t, keys, grads = self._gradient_shapes(table, keys, grads)
@@ -261,9 +264,7 @@ class EmbeddingCache:
         return t, keys, grads
 
     def _checked_rows(self, table: str, keys: Any, rows: Any) -> tuple[TableEngine, torch.Tensor, torch.Tensor]:
-        t = self._table(table)
-        keys = self._keys_both(keys)[1]
-        rows = self._rows("rows", rows, keys.numel(), t, InvalidRowsError)
+        t, keys, rows = self._shaped(table, keys, rows, "rows", InvalidRowsError)
         if not all_finite(rows):
             raise InvalidRowsError(f"rows of table {table!r} contain NaN or inf; nothing was assigned")
         return t, keys, rows
