@@ -1,0 +1,18 @@
+"""Exports of a model's rows in an open format: full versions and deltas (see :mod:`embcache.export.format`)."""
+
+from .format import (
+    ExportFormatError,
+    TablePart,
+    TableRows,
+    Version,
+    latest_version,
+    list_versions,
+    load_model,
+    read_table,
+    read_version,
+    version_dir,
+    write_version,
+)
+
+__all__ = ["ExportFormatError", "TablePart", "TableRows", "Version", "latest_version", "list_versions", "load_model",
+           "read_table", "read_version", "version_dir", "write_version"]
