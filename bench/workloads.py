@@ -21,6 +21,14 @@ The workloads:
   become very hot and then vanish, so recency matters.
 - :func:`scan_mix_trace` - a stationary background interleaved with scans of keys that are
   used once and never again, where admission matters and plain LRU is polluted.
+- :func:`sessions_trace` - sessions: a user (or a browsing context) drawn from a Zipf population
+  makes a run of accesses of varying length, interleaved with other live sessions, as in click
+  logs sorted by time. Recency is the signal: a key just seen will be seen again soon, then
+  not for long.
+- :func:`loop_trace` - a Zipf background mixed with a loop over a set of keys larger than the
+  cache (an epoch over a table, a periodic batch job), where LRU keeps nothing of the loop.
+- :func:`switching_trace` - the regimes above one after the other, so a policy tuned to one
+  must re-tune mid-run.
 """
 
 from __future__ import annotations
@@ -35,7 +43,10 @@ __all__ = [
     "Workload",
     "bursty_trace",
     "drifting_trace",
+    "loop_trace",
     "scan_mix_trace",
+    "sessions_trace",
+    "switching_trace",
     "zipf_ranks",
     "zipf_trace",
     "zipf_weights",
@@ -281,6 +292,135 @@ def scan_mix_trace(
     return trace
 
 
+def sessions_trace(
+    n_accesses: int,
+    n_keys: int,
+    alpha: float = 1.0,
+    mean_session: float = 20.0,
+    items_per_session: float = 1.0,
+    interleave: int = 256,
+    seed: int = 0,
+) -> np.ndarray:
+    """Sessions over a Zipf population: runs of accesses to a few keys, interleaved.
+
+    Each session draws its owner from Zipf(alpha) over the keys (a popular user has many
+    sessions) and a length from a geometric law of mean ``mean_session``. With
+    ``items_per_session`` = 1 a session repeats its owner's key (a user's id in every click of a
+    visit); above 1 it draws ``1 + Poisson(items_per_session - 1)`` keys from Zipf(alpha) (the
+    items a visit looks at, revisited in it) and each access picks one of them uniformly.
+    Sessions are laid end to end and then interleaved: each access moves by a uniform jitter of
+    up to ``interleave`` positions, so about ``interleave / mean_session`` sessions are live at
+    once.
+
+    Args:
+        n_accesses: trace length.
+        n_keys: size of the key space.
+        alpha: skew exponent of the population (>= 0).
+        mean_session: mean accesses per session (>= 1).
+        items_per_session: mean distinct keys per session (>= 1).
+        interleave: jitter of each access, in positions (>= 0).
+        seed: seed of the trace.
+
+    Returns:
+        int64 keys of shape ``(n_accesses,)``, each in ``[0, n_keys)``.
+
+    Raises:
+        ValueError: on an argument outside the ranges above.
+    """
+    if mean_session < 1 or items_per_session < 1 or interleave < 0:
+        raise ValueError(f"need mean_session >= 1, items_per_session >= 1, interleave >= 0; got "
+                         f"{mean_session}, {items_per_session}, {interleave}")
+    rng = np.random.default_rng(seed)
+    rank_to_key = rng.permutation(n_keys).astype(np.int64)
+    if n_accesses == 0:
+        return np.empty(0, dtype=np.int64)
+    n_sessions = int(n_accesses / mean_session * 1.2) + 16
+    lengths = rng.geometric(1.0 / mean_session, size=n_sessions)
+    while lengths.sum() < n_accesses:  # rare: draw more sessions
+        lengths = np.concatenate([lengths, rng.geometric(1.0 / mean_session, size=n_sessions)])
+    n_sessions = int(np.searchsorted(np.cumsum(lengths), n_accesses)) + 1
+    lengths = lengths[:n_sessions]
+    session = np.repeat(np.arange(n_sessions), lengths)[:n_accesses]
+    if items_per_session <= 1:
+        owners = rank_to_key[zipf_ranks(n_sessions, n_keys, alpha, rng)]
+        trace = owners[session]
+    else:
+        n_items = 1 + rng.poisson(items_per_session - 1, size=n_sessions)
+        starts = np.concatenate([[0], np.cumsum(n_items)[:-1]])
+        pool = rank_to_key[zipf_ranks(int(n_items.sum()), n_keys, alpha, rng)]
+        pick = (rng.random(n_accesses) * n_items[session]).astype(np.int64)
+        trace = pool[starts[session] + pick]
+    if interleave:
+        order = np.argsort(np.arange(n_accesses) + rng.random(n_accesses) * interleave, kind="stable")
+        trace = trace[order]
+    return trace
+
+
+def loop_trace(
+    n_accesses: int,
+    n_keys: int,
+    alpha: float = 1.0,
+    loop_fraction: float = 0.1,
+    loop_share: float = 0.5,
+    seed: int = 0,
+) -> np.ndarray:
+    """A Zipf background mixed with a loop over ``loop_fraction * n_keys`` keys.
+
+    Each access is, with probability ``loop_share``, the loop's next key (the loop's keys in a
+    fixed order, over and over), otherwise a Zipf(alpha) draw over the remaining keys. A loop
+    longer than the cache defeats LRU entirely (each loop key is evicted just before it comes
+    back); keeping a fixed part of the loop (what LFU, OPT and a frequency filter do) hits it
+    once per round.
+
+    Args:
+        n_accesses: trace length.
+        n_keys: size of the key space.
+        alpha: skew exponent of the background (>= 0).
+        loop_fraction: share of the keys in the loop, in ``(0, 1)``.
+        loop_share: share of the accesses that go to the loop, in ``[0, 1]``.
+        seed: seed of the trace.
+
+    Returns:
+        int64 keys of shape ``(n_accesses,)``, each in ``[0, n_keys)``.
+
+    Raises:
+        ValueError: on an argument outside the ranges above.
+    """
+    if not 0.0 < loop_fraction < 1.0 or not 0.0 <= loop_share <= 1.0:
+        raise ValueError(f"need loop_fraction in (0, 1) and loop_share in [0, 1]; got {loop_fraction}, {loop_share}")
+    rng = np.random.default_rng(seed)
+    rank_to_key = rng.permutation(n_keys).astype(np.int64)
+    n_loop = max(1, min(n_keys - 1, round(loop_fraction * n_keys)))
+    loop_keys, rest = rank_to_key[:n_loop], rank_to_key[n_loop:]
+    trace = rest[zipf_ranks(n_accesses, rest.size, alpha, rng)]
+    in_loop = rng.random(n_accesses) < loop_share
+    trace[in_loop] = loop_keys[np.arange(int(in_loop.sum())) % n_loop]
+    return trace
+
+
+def switching_trace(n_accesses: int, n_keys: int, seed: int = 0) -> np.ndarray:
+    """Four regimes one after the other, a quarter of the trace each: stationary Zipf 1.05,
+    user sessions, a loop over 10% of the keys mixed with Zipf, and Zipf 1.05 again (over a
+    fresh ranking, so the first quarter's frequencies are stale).
+
+    Args:
+        n_accesses: trace length.
+        n_keys: size of the key space.
+        seed: seed of the trace.
+
+    Returns:
+        int64 keys of shape ``(n_accesses,)``, each in ``[0, n_keys)``.
+    """
+    b = np.linspace(0, n_accesses, 5).astype(np.int64)
+    parts = [
+        zipf_trace(int(b[1] - b[0]), n_keys, 1.05, seed=seed),
+        sessions_trace(int(b[2] - b[1]), n_keys, alpha=1.0, mean_session=20.0, seed=seed + 1),
+        loop_trace(int(b[3] - b[2]), n_keys, alpha=1.0, seed=seed + 2),
+        zipf_trace(int(b[4] - b[3]), n_keys, 1.05, seed=seed + 3),
+    ]
+    return np.concatenate(parts)
+
+
 @dataclass(frozen=True)
 class Workload:
     """A named trace generator: ``make(n_accesses, n_keys, seed) -> keys``."""
@@ -308,5 +448,25 @@ WORKLOADS: tuple[Workload, ...] = (
         "scan-mix",
         "Zipf 1.0; 30% of blocks of n_keys/100 accesses are scans of never-repeated keys",
         lambda n, k, s: scan_mix_trace(n, k, alpha=1.0, scan_fraction=0.3, seed=s),
+    ),
+    Workload(
+        "sessions-users",
+        "Zipf 1.0 users; sessions of geometric length (mean 20) repeating the user's key, ~13 live at once",
+        lambda n, k, s: sessions_trace(n, k, alpha=1.0, mean_session=20.0, seed=s),
+    ),
+    Workload(
+        "sessions-items",
+        "Zipf 1.0 items; sessions (mean 30 accesses) revisiting ~5 items each, ~9 live at once",
+        lambda n, k, s: sessions_trace(n, k, alpha=1.0, mean_session=30.0, items_per_session=5.0, seed=s),
+    ),
+    Workload(
+        "loop",
+        "Zipf 1.0 background; half the accesses loop over 10% of the keys",
+        lambda n, k, s: loop_trace(n, k, alpha=1.0, loop_fraction=0.1, loop_share=0.5, seed=s),
+    ),
+    Workload(
+        "switching",
+        "quarters of Zipf 1.05, user sessions, loop, Zipf 1.05 (new ranking)",
+        lambda n, k, s: switching_trace(n, k, seed=s),
     ),
 )

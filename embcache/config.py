@@ -225,6 +225,12 @@ class CacheConfig:
             (:mod:`embcache.mrc`); None = automatic (about 512 rows in its smallest shadow,
             at most 1/256 of the keys), 0 = off. Policies
             "lrfu" and "lfu" only (the shadows run those).
+        tune_policy: policy "lrfu" with ``halflife`` None: tune the half-life, the idle discount
+            and strict admission online, by miniature simulations of a sample of the keys
+            (:mod:`embcache.sim.tuner`; on the miss-ratio estimator's background thread, so it
+            needs ``mrc_sample_rate`` != 0). Which rows stay in memory then depends on when
+            that thread ran, so hit counts may differ between runs (the values never do);
+            False keeps the fixed defaults.
     """
 
     hbm_bytes: int | None = None
@@ -243,6 +249,7 @@ class CacheConfig:
     store_options: Mapping[str, Any] = field(default_factory=dict)
     validate_memory: bool = True
     mrc_sample_rate: float | None = None
+    tune_policy: bool = True
 
     def __post_init__(self) -> None:
         kind = _enum_value(StoreKind, self.store, "CacheConfig.store")

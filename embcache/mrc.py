@@ -52,6 +52,7 @@ import torch
 
 from .policy import DEFAULT_IDLE_HALVING, default_halflife
 from .sim import LrfuSim
+from .sim.tuner import Tuner
 
 __all__ = ["FACTORS", "MissRatioEstimator", "auto_sample_rate"]
 
@@ -62,6 +63,9 @@ _MAX_PENDING = 64
 _MAX_PENDING_KEYS = 1 << 22  # 32 MiB of copied keys at most
 _WAKE_BATCHES = 16
 _WAKE_SECONDS = 0.5
+# the tuner's miniatures: about this many rows each, sampling at most this share of the keys
+_TUNER_ROWS = 1024
+_TUNER_MAX_RATE = 1.0 / 16
 
 
 @numba.njit(cache=True, nogil=True)
@@ -119,14 +123,24 @@ class MissRatioEstimator:
         window: sampled accesses after which past counts weigh half.
         idle_halving: the policy's idle discount (``CacheConfig.idle_halving``); the number of
             missed accesses does not change with sampling (idle ticks and half-life shrink alike).
+        tune: also run a :class:`~embcache.sim.tuner.Tuner` of the memory's capacity (``tuner``),
+            on a sample of its own rate (miniatures of about ``_TUNER_ROWS`` rows, at most
+            ``_TUNER_MAX_RATE`` of the keys) that contains this estimator's (the same hash, a
+            higher threshold).
     """
 
     def __init__(self, hbm_rows: int, ddr_rows: int, halflife: float | None = None, rate: float | None = None,
-                 window: int = 200_000, idle_halving: float = DEFAULT_IDLE_HALVING) -> None:
+                 window: int = 200_000, idle_halving: float = DEFAULT_IDLE_HALVING, tune: bool = False) -> None:
         self.rate = float(rate) if rate is not None else auto_sample_rate(hbm_rows)
         if not 0.0 < self.rate <= 1.0:
             raise ValueError(f"sample rate must be in (0, 1], got {self.rate}")
         self._threshold = min(int(self.rate * 2**_RATE_BITS), 2**_RATE_BITS)
+        self.tuner: Tuner | None = None
+        self._tune_threshold = self._threshold
+        if tune and hbm_rows + ddr_rows > 0:
+            tune_rate = max(self.rate, min(_TUNER_ROWS / (hbm_rows + ddr_rows), _TUNER_MAX_RATE))
+            self._tune_threshold = min(int(tune_rate * 2**_RATE_BITS), 2**_RATE_BITS)
+            self.tuner = Tuner(hbm_rows + ddr_rows, self._tune_threshold / 2**_RATE_BITS)
         self._lock = threading.Lock()
         memory = hbm_rows + ddr_rows
         self._shadows: dict[tuple[str, float], LrfuSim] = {}
@@ -201,10 +215,18 @@ class MissRatioEstimator:
 
     def _process(self, pending: list[np.ndarray | _DeviceKeys]) -> None:
         looked_up = [k.numpy() if isinstance(k, _DeviceKeys) else k for k in pending]
-        if self.rate < 1.0:
-            batches = [(_sample(k, self._threshold), k.shape[0]) for k in looked_up]
+        if self._tune_threshold < 2**_RATE_BITS:
+            looked_up_n = [k.shape[0] for k in looked_up]
+            looked_up = [_sample(k, self._tune_threshold) for k in looked_up]
         else:
-            batches = [(k, k.shape[0]) for k in looked_up]
+            looked_up_n = [k.shape[0] for k in looked_up]
+        if self.tuner is not None:
+            t_sizes = np.array([k.shape[0] for k in looked_up], dtype=np.int64)
+            self.tuner.observe_batches(np.concatenate(looked_up), np.concatenate([[0], np.cumsum(t_sizes)]))
+        if self._threshold < self._tune_threshold:  # the estimator's sample within the tuner's
+            batches = [(_sample(k, self._threshold), n) for k, n in zip(looked_up, looked_up_n, strict=True)]
+        else:
+            batches = list(zip(looked_up, looked_up_n, strict=True))
         sizes = np.array([b[0].shape[0] for b in batches], dtype=np.int64)
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         keys = np.concatenate([b[0] for b in batches])

@@ -51,6 +51,15 @@ with the idle discount (2.5), half-life 40x rows   +0.02 / +0.77   -0.05 / +0.91
 longer half-life, which ranks the stationary tails better, and the half-life needs the
 discount, without which finished bursts hold their slots far longer.
 
+**Tuning.** No one setting suits every workload: user sessions want a half-life of a few times
+the rows, a stationary Zipf a long one without the discount, a loop over more keys than memory
+holds *strict admission* (a row from below must beat the victim without the access it is making,
+so rows of equal standing do not churn). With ``CacheConfig.tune_policy`` (on by default, unless
+``halflife`` is set) the table's miss-ratio estimator also replays its sample of keys through
+twelve miniature caches, one per setting of :data:`embcache.sim.tuner.GRID`, and the table
+switches to the setting whose miniature hit most recently (:meth:`Clock.retune` rescales the
+frequencies, so past accesses keep their weights). See :mod:`embcache.sim.tuner` for the figures.
+
 Rows outside memory keep their aged frequency in a count-min sketch (:class:`FrequencySketch`),
 updated with the same increments, so a row coming up from the SSD is compared with the row it
 would displace in the same units (TinyLFU-style admission, Einziger et al., 2017).
@@ -179,6 +188,14 @@ class Clock:
             return None
         self.t0 = self.now
         return 1.0 / inc
+
+    def retune(self, halflife: float) -> float:
+        """Use ``halflife`` from now on; returns the factor to rescale all frequencies by (so that
+        the current increment is 1 and past accesses keep the weights they have now)."""
+        factor = 1.0 / self.increment()
+        self.t0 = self.now
+        self.halflife = halflife
+        return factor
 
     def state(self) -> dict[str, float]:
         """Serializable state."""

@@ -143,7 +143,10 @@ def admit(t: TableEngine, tier: MemoryTier, cand_scores: torch.Tensor, extra_fre
             m = victims.numel()
             if t.policy.admission and m:
                 # candidates descend and victims ascend, so the winners form a prefix
-                beats = cand_scores[order[free:free + m]] > vscores.cpu()
+                # strict admission (a tuned setting): a candidate must beat the victim without the
+                # access it is making now, as if the victim had been accessed too
+                margin = t.clock.increment() if t.strict else 0.0
+                beats = cand_scores[order[free:free + m]] > vscores.cpu() + margin
                 swaps = int(beats.sum())
             else:
                 swaps = m

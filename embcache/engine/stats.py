@@ -52,6 +52,7 @@ class TableStats:
     unadmitted_lookups: int = 0  # key occurrences looked up before their key was admitted
     dropped_updates: int = 0  # rows of keys not admitted yet whose gradients were dropped
     admitted_rows: int = 0  # keys admitted (their count reached admit_after)
+    policy_switches: int = 0  # times the tuner changed the policy's setting
     hbm: TierStats = field(default_factory=TierStats)
     ddr: TierStats = field(default_factory=TierStats)
     ssd: SsdStats = field(default_factory=SsdStats)
@@ -88,4 +89,7 @@ def table_report(t: TableEngine, running_prefetch_seconds: float) -> dict[str, A
                          "running_seconds": running_prefetch_seconds},
             "admission": {"unadmitted_lookups": s.unadmitted_lookups,
                           "dropped_updates": s.dropped_updates, "admitted_rows": s.admitted_rows},
-            "mrc": {"sample_rate": t.mrc.rate, **t.mrc.hit_ratios()} if t.mrc is not None else None}
+            "mrc": {"sample_rate": t.mrc.rate, **t.mrc.hit_ratios()} if t.mrc is not None else None,
+            "policy": {"name": t.policy.name, "halflife": t.clock.halflife, "tuned": t.mrc is not None
+                       and t.mrc.tuner is not None, "setting": t.setting.to_dict() if t.setting else None,
+                       "switches": s.policy_switches}}

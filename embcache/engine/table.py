@@ -33,7 +33,8 @@ from ..errors import StoreError
 from ..keyset import Keyset
 from ..mrc import MissRatioEstimator
 from ..optim import OptimizerParams, state_width
-from ..policy import Clock, FrequencySketch, Policy, default_halflife
+from ..policy import Clock, FrequencySketch, Policy, default_halflife, make_policy
+from ..sim.tuner import Setting
 from ..stores import Store
 from ..tier import MemoryTier, RowBatch, ScoreOf, release_cached_memory, to_device, to_host
 from ..types import Tier
@@ -115,6 +116,9 @@ class TableEngine:
         self.recent: RowBatch | None = None
         self.recent_writes = -1
         self.mrc: MissRatioEstimator | None = None
+        # the policy's tuned setting (None: the configured one) and strict admission (placement.admit)
+        self.setting: Setting | None = None
+        self.strict = False
         self.reset_mrc()
         self.pass_keyset: Keyset | None = None
         self.pass_pinned = torch.empty(0, dtype=torch.int64)
@@ -165,8 +169,9 @@ class TableEngine:
         rows = (self.hbm.capacity, self.ddr.capacity)
         config = self.config
         if config.mrc_sample_rate != 0 and self.policy.name in ("lrfu", "lfu") and sum(rows) > 0:
+            tune = config.tune_policy and self.policy.name == "lrfu" and config.halflife is None
             self.mrc = MissRatioEstimator(*rows, halflife=config.halflife if self.policy.aging else math.inf,
-                                          rate=config.mrc_sample_rate, idle_halving=config.idle_halving)
+                                          rate=config.mrc_sample_rate, idle_halving=config.idle_halving, tune=tune)
 
     def release(self) -> None:
         """Free the tiers and the estimator (the cache is closing; dirty rows were written)."""
@@ -228,8 +233,24 @@ class TableEngine:
         self.stats.hbm.hits += n_hit
         if self.mrc is not None:
             self.mrc.observe(given)  # host keys when the caller gave them: no copy back from the GPU
+            if self.mrc.tuner is not None:
+                self.retune(self.mrc.tuner.best())
         self.advance_clock(n)
         return out
+
+    def retune(self, setting: Setting) -> None:
+        """Switch the policy to ``setting`` (the tuner's choice; nothing to do when it is current)."""
+        if setting == self.setting:
+            return
+        memory_rows = self.hbm.capacity + self.ddr.capacity
+        factor = self.clock.retune(float(max(setting.halflife_rows * memory_rows, 1024)))
+        self.hbm.scale_freq(factor)
+        self.ddr.scale_freq(factor)
+        self.sketch.scale(factor)
+        self.policy = make_policy("lrfu", self.policy.admission, setting.idle_halving)
+        self.strict = setting.strict
+        self.setting = setting
+        self.stats.policy_switches += 1
 
     def _below_hbm(self, ukeys: torch.Tensor, counts: torch.Tensor, inc: float, now: int) -> torch.Tensor:
         """Values (float32 [u, dim], cache device) of unique keys missing from HBM; places them."""

@@ -17,16 +17,23 @@ function):
   the static 1% window of the TinyLFU paper and Caffeine's simulator.
 - ``W-TinyLFU-adaptive``: the same plus Caffeine's hill climber, which resizes the window at
   run time (what Caffeine's cache itself does).
+- ``ARC``: Megiddo and Modha's adaptive replacement cache (recency and frequency lists whose
+  balance moves with hits in their ghost lists).
 - ``OPT``: Belady's MIN with bypass, the offline optimum and so an upper bound for all others.
 
 All policies are demand-fetch: only the accessed key can enter the cache, on a miss. Keys are
 arbitrary int64 values; they are remapped to dense ids before simulation.
 
-Modules: :mod:`~embcache.sim.list_policies` (LRU, LFU, W-TinyLFU), :mod:`~embcache.sim.opt` (OPT),
-:mod:`~embcache.sim.lrfu` (:class:`LrfuSim`) and :mod:`~embcache.sim.trace` (the input checks they
+Modules: :mod:`~embcache.sim.list_policies` (LRU, LFU, W-TinyLFU), :mod:`~embcache.sim.arc` (ARC),
+:mod:`~embcache.sim.opt` (OPT), :mod:`~embcache.sim.lrfu` (:class:`LrfuSim`),
+:mod:`~embcache.sim.tuner` (:class:`AdaptiveLrfuSim`, the policy tuned online as the cache tunes it)
+and :mod:`~embcache.sim.trace` (the input checks they
 share); this package re-exports their public names and maps the reference policies.
 
 References:
+    N. Megiddo, D. S. Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache", FAST 2003.
+    C. Waldspurger, T. Saemundsson, I. Ahmad, N. Park, "Cache Modeling and Optimization using
+    Miniature Simulations", USENIX ATC 2017 (the tuner's miniatures).
     L. A. Belady, "A study of replacement algorithms for a virtual-storage computer",
     IBM Systems Journal 5(2), 1966.
     G. Einziger, R. Friedman, B. Manes, "TinyLFU: A Highly Efficient Cache Admission Policy",
@@ -44,6 +51,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .arc import arc_hit_ratio, arc_hits
 from .list_policies import (
     SKETCH_SEEDS,
     lfu_hit_ratio,
@@ -57,12 +65,17 @@ from .list_policies import (
 )
 from .lrfu import LrfuSim, lrfu_hit_ratio, lrfu_hits
 from .opt import opt_hit_ratio, opt_hits
+from .tuner import AdaptiveLrfuSim, adaptive_lrfu_hit_ratio
 
 __all__ = [
     "REFERENCE_POLICIES",
     "SKETCH_SEEDS",
+    "AdaptiveLrfuSim",
     "HitRatioFn",
     "LrfuSim",
+    "adaptive_lrfu_hit_ratio",
+    "arc_hit_ratio",
+    "arc_hits",
     "hit_ratio_curve",
     "lfu_hit_ratio",
     "lfu_hits",
@@ -86,6 +99,7 @@ REFERENCE_POLICIES: dict[str, HitRatioFn] = {
     "LFU": lfu_hit_ratio,
     "W-TinyLFU": wtinylfu_hit_ratio,
     "W-TinyLFU-adaptive": wtinylfu_adaptive_hit_ratio,
+    "ARC": arc_hit_ratio,
     "OPT": opt_hit_ratio,
 }
 

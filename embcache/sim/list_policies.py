@@ -66,22 +66,31 @@ def _push_mru(prv: np.ndarray, nxt: np.ndarray, s: int, k: int) -> None:
     prv[s] = k
 
 
+def _check_batch(batch: int) -> int:
+    if int(batch) != batch or batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    return int(batch)
+
+
 # ---------------------------------------------------------------------------------------------
 # LRU
 
 
 @numba.njit(cache=True)
-def _lru_kernel(ids: np.ndarray, n_ids: int, capacity: int) -> int:
+def _lru_kernel(ids: np.ndarray, n_ids: int, capacity: int, batch: int) -> int:
     s = n_ids
     prv = np.empty(n_ids + 1, dtype=np.int64)
     nxt = np.empty(n_ids + 1, dtype=np.int64)
     cached = np.zeros(n_ids, dtype=np.bool_)
+    entered = np.zeros(n_ids, dtype=np.int64)  # access index at which each key was last inserted
     _init_list(prv, nxt, s)
     size = 0
     hits = 0
-    for k in ids:
+    for i in range(ids.shape[0]):
+        k = ids[i]
         if cached[k]:
-            hits += 1
+            if entered[k] < i - i % batch:  # cached when its batch began (batch 1: any earlier access)
+                hits += 1
             _unlink(prv, nxt, k)
             _push_mru(prv, nxt, s, k)
         elif capacity > 0:
@@ -92,16 +101,19 @@ def _lru_kernel(ids: np.ndarray, n_ids: int, capacity: int) -> int:
                 size -= 1
             _push_mru(prv, nxt, s, k)
             cached[k] = True
+            entered[k] = i
             size += 1
     return hits
 
 
-def lru_hits(trace: np.ndarray, capacity: int) -> int:
+def lru_hits(trace: np.ndarray, capacity: int, batch: int = 1) -> int:
     """Hits of an LRU cache of ``capacity`` keys over ``trace``.
 
     Args:
         trace: 1-D integer array of keys, one per access.
         capacity: cache size in keys (>= 0).
+        batch: count a hit only if the key was cached when its batch of ``batch`` accesses
+            began (see :func:`wtinylfu_hits`); 1 = every access is its own batch.
 
     Returns:
         The number of accesses that found their key cached.
@@ -112,7 +124,7 @@ def lru_hits(trace: np.ndarray, capacity: int) -> int:
     cap = _check_capacity(capacity)
     ids, uniq = _dense(trace)
     n_ids = int(uniq.size)
-    return int(_lru_kernel(ids, n_ids, cap))
+    return int(_lru_kernel(ids, n_ids, cap, _check_batch(batch)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +132,7 @@ def lru_hits(trace: np.ndarray, capacity: int) -> int:
 
 
 @numba.njit(cache=True)
-def _lfu_kernel(ids: np.ndarray, n_ids: int, max_count: int, capacity: int) -> int:
+def _lfu_kernel(ids: np.ndarray, n_ids: int, max_count: int, capacity: int, batch: int) -> int:
     # Node n_ids + c heads the list of cached keys with count c (1 <= c <= max_count). A key
     # enters list c at the access that gives it count c, so each list is in recency order and
     # its LRU end is the LRU key among those with that count.
@@ -130,13 +142,16 @@ def _lfu_kernel(ids: np.ndarray, n_ids: int, max_count: int, capacity: int) -> i
     for c in range(max_count + 1):
         _init_list(prv, nxt, base + c)
     count = np.zeros(n_ids, dtype=np.int64)  # 0 = not cached
+    entered = np.zeros(n_ids, dtype=np.int64)  # access index at which each key was last inserted
     size = 0
     min_count = 0
     hits = 0
-    for k in ids:
+    for i in range(ids.shape[0]):
+        k = ids[i]
         c = count[k]
         if c > 0:
-            hits += 1
+            if entered[k] < i - i % batch:
+                hits += 1
             _unlink(prv, nxt, k)
             if c == min_count and nxt[base + c] == base + c:
                 min_count = c + 1
@@ -149,13 +164,14 @@ def _lfu_kernel(ids: np.ndarray, n_ids: int, max_count: int, capacity: int) -> i
                 count[victim] = 0
                 size -= 1
             count[k] = 1
+            entered[k] = i
             _push_mru(prv, nxt, base + 1, k)
             size += 1
             min_count = 1
     return hits
 
 
-def lfu_hits(trace: np.ndarray, capacity: int) -> int:
+def lfu_hits(trace: np.ndarray, capacity: int, batch: int = 1) -> int:
     """Hits of an admission-free LFU cache of ``capacity`` keys over ``trace``.
 
     A key's count is the number of its accesses since it was last inserted (in-cache LFU). On a
@@ -165,6 +181,8 @@ def lfu_hits(trace: np.ndarray, capacity: int) -> int:
     Args:
         trace: 1-D integer array of keys, one per access.
         capacity: cache size in keys (>= 0).
+        batch: count a hit only if the key was cached when its batch of ``batch`` accesses
+            began (see :func:`wtinylfu_hits`); 1 = every access is its own batch.
 
     Returns:
         The number of accesses that found their key cached.
@@ -176,7 +194,7 @@ def lfu_hits(trace: np.ndarray, capacity: int) -> int:
     ids, uniq = _dense(trace)
     n_ids = int(uniq.size)
     max_count = int(np.bincount(ids).max()) if ids.size else 0
-    return int(_lfu_kernel(ids, n_ids, max_count, cap))
+    return int(_lfu_kernel(ids, n_ids, max_count, cap, _check_batch(batch)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,8 +488,7 @@ def wtinylfu_hits(
         raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
     if sample_factor < 1:
         raise ValueError(f"sample_factor must be >= 1, got {sample_factor}")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+    _check_batch(batch)
     ids, uniq = _dense(trace)
     n_ids = int(uniq.size)
     raw = uniq.astype(np.int64).view(np.uint64)

@@ -126,7 +126,9 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
                  admission: bool, rng: np.ndarray) -> int:
     """Replay ``keys`` through an LRFU cache with the idle discount; returns the hits.
 
-    ``clock`` = [now, t0, halflife, idle_halving] (ticks); ``state`` = [size, capacity, sample].
+    ``clock`` = [now, t0, halflife, idle_halving] (ticks); ``state`` = [size, capacity, sample,
+    strict]: with ``strict`` a missed key must beat the victim without the access it is making
+    (it needs more history than the victim, not the same), so keys of equal standing never churn.
     Residents are ``rk`` (keys), ``rf`` (aged frequencies) and ``rl`` (last-access ticks) at
     ``[0, size)``; ``pos`` maps a key to its index. With ``tick_each`` every key advances the
     clock by one tick; otherwise the whole batch shares one tick and increment and the clock
@@ -169,7 +171,8 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
                     if np.isfinite(clock[2]) and np.isfinite(clock[3]):
                         a = _LN2 * _LN2 / (clock[2] * clock[3] * inc)
                     v, vls = _lrfu_victim(rf, rl, size, sample, now, a, rng)
-                    if admission and not np.log(est) > vls:
+                    cand = est - inc if state[3] else est
+                    if admission and not (cand > 0.0 and np.log(cand) > vls):
                         v = -1
                     else:
                         vk, vs = rk[v], rf[v]
@@ -238,10 +241,15 @@ class LrfuSim:
         idle_halving: missed accesses that halve a score (``math.inf``: no discount).
         sample: residents considered per victim; None = all of them (the exact minimum).
         seed: seed of the sampling.
+        strict: strict admission: a missed key displaces the victim only if its frequency
+            *before* this access beats the victim's (the cache's ``strict`` setting of
+            :class:`embcache.policy.Tuning`): a loop over more keys than the cache then keeps a
+            fixed part of it instead of cycling every key through.
     """
 
     def __init__(self, capacity: int, halflife: float | None = None, admission: bool = True,
-                 idle_halving: float = DEFAULT_IDLE_HALVING, sample: int | None = 64, seed: int = 1) -> None:
+                 idle_halving: float = DEFAULT_IDLE_HALVING, sample: int | None = 64, seed: int = 1,
+                 strict: bool = False) -> None:
         cap = _check_capacity(capacity)
         if not idle_halving > 0:
             raise ValueError(f"idle_halving must be > 0, got {idle_halving}")
@@ -255,10 +263,28 @@ class LrfuSim:
         self._rl = np.zeros(max(cap, 1), dtype=np.float64)
         self._pos = np.zeros((next_pow2(max(2 * cap, 16)), 2), dtype=np.int64)
         self._pos[:, 1] = -1
-        self._state = np.array([0, cap, sample or 0], dtype=np.int64)
+        self._state = np.array([0, cap, sample or 0, int(strict)], dtype=np.int64)
         self._sketch = np.zeros((4, next_pow2(max(8 * cap, 64))), dtype=np.float64)
         self._admission = admission
         self._rng = np.array([(seed * 0x9E3779B97F4A7C15 + 1) % (1 << 64) or 1], dtype=np.uint64)
+
+    def retune(self, halflife: float, idle_halving: float, strict: bool) -> None:
+        """Change the half-life, the idle discount and strict admission from now on.
+
+        Frequencies are rescaled so that the current increment is 1, which makes the new
+        half-life apply from this tick (what :meth:`embcache.policy.Clock.retune` does).
+        """
+        if not halflife > 0 or not idle_halving > 0:
+            raise ValueError(f"halflife and idle_halving must be > 0, got {halflife}, {idle_halving}")
+        c = self._clock
+        inc = 2.0 ** ((c[0] - c[1]) / c[2])
+        n = int(self._state[0])
+        self._rf[:n] /= inc
+        self._sketch /= inc
+        c[1] = c[0]
+        c[2] = halflife
+        c[3] = idle_halving
+        self._state[3] = int(strict)
 
     def access(self, keys: np.ndarray, batch_ticks: int | None = None) -> int:
         """Replay ``keys`` (int64 [n]); returns how many hit.
