@@ -225,6 +225,11 @@ class CacheConfig:
             (:mod:`embcache.mrc`); None = automatic (about 512 rows in its smallest shadow,
             at most 1/256 of the keys), 0 = off. Policies
             "lrfu" and "lfu" only (the shadows run those).
+        lookups_create_rows: True (default): a lookup of a key the store lacks makes its row
+            (the initializer's values) and may cache it. False: it returns the table's
+            ``unadmitted`` row ("init" or "zeros") and caches nothing: only rows the store
+            holds enter memory, and no lookup changes what the cache holds beyond moving
+            stored rows between tiers (serving mode, :mod:`embcache.server.serving`).
     """
 
     hbm_bytes: int | None = None
@@ -243,6 +248,7 @@ class CacheConfig:
     store_options: Mapping[str, Any] = field(default_factory=dict)
     validate_memory: bool = True
     mrc_sample_rate: float | None = None
+    lookups_create_rows: bool = True
 
     def __post_init__(self) -> None:
         kind = _enum_value(StoreKind, self.store, "CacheConfig.store")
