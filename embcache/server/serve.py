@@ -41,7 +41,7 @@ from .overload import HEALTH_THREADS, StreamWatchdog, add_health
 from .procmetrics import register_process_metrics
 from .rpcmetrics import RpcMetrics
 from .servicer import EmbeddingCacheServicer
-from .serving import ReadOnlyGuard, ServedModel, serving_tables
+from .serving import ReadOnlyGuard, ServedModel, register_serving_metrics, serving_tables
 from .settings import ServerSettings
 from .sharding import ShardGate
 
@@ -164,7 +164,7 @@ def start_server(s: ServerSettings) -> RunningServer:
         if s.serve:
             serving = ServedModel(s.serve, cache, s.unknown_rows, float(s.follow_interval_seconds))
             serving.load()
-            serving.register_metrics(registry)
+        register_serving_metrics(registry, serving)
         # embcache_rpc_request_duration_seconds and the grpc_server_* names, from one count
         rpc_metrics = RpcMetrics(pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"], _LATENCY_BUCKETS)
         registry.register(rpc_metrics)

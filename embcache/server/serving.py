@@ -65,7 +65,8 @@ from .auth import ROLES
 from .handlers import SERVICE_NAME, method_handler
 from .rpcmetrics import RpcMetrics
 
-__all__ = ["UNKNOWN_ROWS", "ReadOnlyGuard", "ServedModel", "VersionGate", "serving_tables"]
+__all__ = ["UNKNOWN_ROWS", "ReadOnlyGuard", "ServedModel", "VersionGate", "register_serving_metrics",
+           "serving_tables"]
 
 log = logging.getLogger("embcache.server.serving")
 
@@ -343,33 +344,36 @@ class ServedModel:
         return (f"{method} refused: this server serves version {self.version} of {self.directory} read-only "
                 "(embcache-server --serve); its rows change only with the export's next version")
 
-    def register_metrics(self, registry: Any) -> None:
-        """Export ``embcache_serving_*`` (version, its age, versions applied, errors, switch time)."""
-        registry.register(_ServingCollector(self))
+
+
+def register_serving_metrics(registry: Any, model: ServedModel | None) -> None:
+    """Export ``embcache_serving_*`` (version, its age, versions applied, errors, switch time) of
+    ``model``; a server not in serving mode (None) reports version 0 and nothing applied."""
+    registry.register(_ServingCollector(model))
 
 
 class _ServingCollector:
-    """Prometheus collector of a :class:`ServedModel`, read at each scrape."""
+    """Prometheus collector of a :class:`ServedModel` (or of none), read at each scrape."""
 
-    def __init__(self, model: ServedModel) -> None:
+    def __init__(self, model: ServedModel | None) -> None:
         self._model = model
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         m = self._model
-        yield GaugeMetricFamily("embcache_serving_version", "Version of the export this server serves",
-                                value=m.version)
+        yield GaugeMetricFamily("embcache_serving_version", "Version of the export this server serves "
+                                "(0: not in serving mode)", value=m.version if m else 0)
         yield GaugeMetricFamily("embcache_serving_version_age_seconds",
                                 "Seconds since the served version was created (written by the exporter)",
-                                value=max(time.time() - m.created_unix, 0.0))
+                                value=max(time.time() - m.created_unix, 0.0) if m else 0.0)
         yield CounterMetricFamily("embcache_serving_versions_applied", "Versions applied since the server started "
-                                  "(its first load included)", value=m.applied)
+                                  "(its first load included)", value=m.applied if m else 0)
         yield CounterMetricFamily("embcache_serving_errors", "Problems met following the export (a broken chain, "
                                   "an unreadable manifest, a version that does not fit), each counted once",
-                                  value=m.errors)
+                                  value=m.errors if m else 0)
         yield CounterMetricFamily("embcache_serving_switch_seconds", "Seconds lookups were held off while versions "
-                                  "were switched (the gate held alone)", value=m.switch_seconds_total)
+                                  "were switched (the gate held alone)", value=m.switch_seconds_total if m else 0.0)
 
 
 class ReadOnlyGuard(grpc.ServerInterceptor):
