@@ -20,7 +20,8 @@ Per phase: lookup p50, p99 and max, and, for the second, the versions the server
 the phase and the time lookups were held off per switch (``embcache_serving_switch_seconds_total``
 over ``embcache_serving_versions_applied_total``, scraped from the server's metrics before and
 after). The summary's ratio is the applying phase's p99 over the steady phase's (target: at most
-2x). The exporting thread shares this machine's cores with the server and the client.
+2x). The exporting thread shares this machine's cores with the server and the client; one torch
+thread per process (the server's ``--torch-threads 1`` and this one's), as in ``bench_server.py``.
 Writes ``bench/results/serving.json``, ``serving.md`` and ``serving.png``.
 """
 
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="100 lookups per phase instead of 400")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="results directory")
     args = p.parse_args(argv)
+    torch.set_num_threads(1)  # as the server (--torch-threads 1): on 2 shared cores intra-op threads only wait
     info = machine_info(script=__file__, argv=argv)
     n = 100 if args.quick else 400
     stem = os.path.join(args.out, "serving-quick" if args.quick else "serving")
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         server = LocalServer(Path(tmp) / "s", workdir=Path(tmp) / "run", metrics=True, start_timeout=300,
                              args=["--serve", export, "--follow", "--follow-interval-seconds", "0.05",
-                                   "--hbm-bytes", str(128 << 20), "--ddr-bytes", str(64 << 20)]).start()
+                                   "--torch-threads", "1", "--hbm-bytes", str(128 << 20),
+                                   "--ddr-bytes", str(64 << 20)]).start()
         start_seconds = time.perf_counter() - t0
         try:
             with Client([server.address], timeout=30) as client:

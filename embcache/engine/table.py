@@ -567,7 +567,7 @@ class TableEngine:
                 weights, state = self.codec.decode(np.ascontiguousarray(records))
             at = slots.index_select(0, pos)
             tier.write(at, weights.index_select(0, pos), state.index_select(0, pos))
-            tier.dirty[to_device(at, tier.device)] = False
+            tier.dirty.index_fill_(0, to_device(at, tier.device), False)
         self.recent = None  # the rows a lookup kept aside may be of these keys
 
     def import_records(self, keys: torch.Tensor, records: np.ndarray, freq: np.ndarray | None,
