@@ -347,3 +347,19 @@ def test_serving_a_missing_or_empty_directory_fails_clearly(tmp_path: Path) -> N
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == 2 and "no complete version" in done.stderr, done.stderr
     assert not any(p.name.startswith("serving-") for p in tmp_path.glob("store/*"))
+
+
+def test_serving_settings_come_from_the_config_file_and_flags_override_them(tmp_path: Path) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text('[serving]\ndirectory = "exports"\nfollow = true\nfollow_interval_seconds = 0.5\n'
+                      'unknown_rows = "init"\n')
+    s, _ = load_settings(["--config", str(config)])
+    assert (s.serve, s.follow, s.follow_interval_seconds, s.unknown_rows) == ("exports", True, 0.5, "init")
+    s, _ = load_settings(["--config", str(config), "--serve", "other", "--unknown-rows", "zeros"])
+    assert (s.serve, s.unknown_rows) == ("other", "zeros")
+    config.write_text('[serving]\ndirectory = "exports"\nunknown_rows = "random"\n')
+    with pytest.raises(ConfigError, match="unknown_rows"):
+        load_settings(["--config", str(config)])
+    config.write_text('[serving]\npath = "exports"\n')
+    with pytest.raises(ConfigError, match=r"unknown \[serving\] keys"):
+        load_settings(["--config", str(config)])

@@ -30,7 +30,9 @@ not yet complete (no manifest, or a file whose size or SHA-256 does not match it
 for without complaint; a broken chain (a delta that does not follow the served version) or a
 manifest this code cannot read is logged once and counted (``embcache_serving_errors_total``),
 and the last good version is served on. When the next version is missing but a newer complete
-*full* version exists (the trainer started a new chain), that one is applied.
+*full* version exists (the trainer started a new chain), that one is applied. A store error in
+the middle of a switch leaves the version number where it was: the next poll applies the same
+version again (writing rows and deleting keys is idempotent).
 """
 
 from __future__ import annotations
@@ -296,11 +298,13 @@ class ServedModel:
     def _newer_full(self, after: int) -> Version | None:
         """The newest complete full version from ``after`` on (a new chain), if any."""
         for n in reversed([x for x in list_versions(self.directory) if x >= after]):
-            try:
-                v = read_version(version_dir(self.directory, n))
+            path = version_dir(self.directory, n)
+            try:  # the manifest first: only a full version's files are worth checksumming
+                head = read_version(path, verify=False)
+                v = read_version(path) if head is not None and head.kind == "full" else None
             except ExportFormatError:
                 continue
-            if v is not None and v.kind == "full":
+            if v is not None:
                 return v
         return None
 
