@@ -136,7 +136,11 @@ def test_serves_a_full_version_exactly_and_refuses_every_write(tmp_path: Path,
                                                                client_of: Callable[[LocalServer], Client]) -> None:
     trainer = Trainer(tmp_path / "export")
     trainer.export()
+    stale = tmp_path / "store" / "serving-stale"  # left by a serving process that was killed
+    stale.mkdir(parents=True)
+    (stale / "embcache.lock").write_text("123")
     server = _serve(tmp_path, tmp_path / "export")
+    assert not stale.exists() and len(list((tmp_path / "store").glob("serving-*"))) == 1
     client = client_of(server)
     assert {n: (c.dim, c.dtype, c.optimizer) for n, c in client.tables().items()} == {
         "user": (4, "float32", "sgd"), "item": (3, "float16", "sgd")}
@@ -191,6 +195,9 @@ def test_serves_a_full_version_exactly_and_refuses_every_write(tmp_path: Path,
     assert _metric(server, "embcache_serving_versions_applied_total") == 1
     assert _metric(server, "embcache_serving_errors_total") == 0
     assert 0 <= _metric(server, "embcache_serving_version_age_seconds") < 600
+    client.close()
+    assert server.stop() == 0
+    assert not list((tmp_path / "store").glob("serving-*"))  # a clean stop removes its store
 
 
 def test_follows_each_version_and_waits_for_half_written_ones(tmp_path: Path,
