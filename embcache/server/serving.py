@@ -187,34 +187,32 @@ class ServedModel:
     def load(self) -> int:
         """Apply the newest complete version (its full version, then its deltas); the version served.
 
+        Before the server serves, nothing reads: each table is staged and written on its own, so
+        memory holds one table file's rows at a time.
+
         Raises:
             ExportFormatError: no complete version, a broken chain, or a version that does not fit the tables.
             StoreError: the rows could not be written.
         """
         for v in version_chain(self.directory):
-            self.apply(v)
+            for name in self._tables_of(v):
+                self._write(self._stage(v, [name]))
+            self.version, self.created_unix = v.version, v.created_unix
+            self.applied += 1
         return self.version
 
     def apply(self, version: Version) -> None:
-        """Stage ``version`` (outside the gate), then switch to it atomically.
+        """Stage ``version`` (outside the gate: every table it changes, in memory), then switch to it atomically.
 
         Raises:
             ExportFormatError: the version does not fit (a table's dim or dtype differs, duplicate
                 keys, a missing array): nothing was applied.
             StoreError: a write failed during the switch.
         """
-        staged = self._stage(version)
+        staged = self._stage(version, self._tables_of(version))
         t0 = time.perf_counter()
         with self.gate.switching():
-            for cfg in staged.new_tables:
-                self.cache.create_table(cfg)
-            for name, (keys, records) in staged.rows.items():
-                for start in range(0, keys.shape[0], _IMPORT_CHUNK):
-                    end = start + _IMPORT_CHUNK
-                    self.cache.import_rows(name, keys[start:end], records[start:end], refresh=True)
-            for name, keys in staged.deleted.items():
-                if keys.size:
-                    self.cache.delete_rows(name, keys)
+            self._write(staged)
             self.version, self.created_unix = version.version, version.created_unix
         took = time.perf_counter() - t0
         self.applied += 1
@@ -223,10 +221,34 @@ class ServedModel:
         log.info("serving version %d (%s) of %s; switched in %.1f ms", version.version, version.kind,
                  self.directory, 1e3 * took)
 
-    def _stage(self, v: Version) -> _Staged:
+    def _tables_of(self, v: Version) -> list[str]:
+        """The tables ``v`` changes: its own, and for a full version also those it lacks (emptied)."""
+        names = sorted(v.tables)
+        if v.kind == "full":
+            names += sorted(n for n in self.cache.tables() if n not in v.tables)
+        return names
+
+    def _write(self, staged: _Staged) -> None:
+        """Carry out a staged version: tables created, rows written (memory copies refreshed), keys deleted."""
+        for cfg in staged.new_tables:
+            self.cache.create_table(cfg)
+        for name, (keys, records) in staged.rows.items():
+            for start in range(0, keys.shape[0], _IMPORT_CHUNK):
+                end = start + _IMPORT_CHUNK
+                self.cache.import_rows(name, keys[start:end], records[start:end], refresh=True)
+        for name, keys in staged.deleted.items():
+            if keys.size:
+                self.cache.delete_rows(name, keys)
+
+    def _stage(self, v: Version, names: list[str]) -> _Staged:
+        """What writing tables ``names`` of ``v`` takes, read and checked (nothing changes yet)."""
         staged = _Staged(v)
         known = self.cache.tables()
-        for name, entry in sorted(v.tables.items()):
+        for name in names:
+            entry = v.tables.get(name)
+            if entry is None:  # a full version without this table: it is emptied
+                staged.deleted[name] = self._stored_keys(name, np.empty(0, dtype=np.int64))
+                continue
             cfg = known.get(name)
             if cfg is None:
                 cfg = _serving_config(dict(entry["config"]), self.unknown_rows)
@@ -248,10 +270,6 @@ class ServedModel:
             if v.kind == "full" and name in known:  # a full version replaces the table: drop what it lacks
                 gone = np.union1d(gone, self._stored_keys(name, keys))
             staged.deleted[name] = np.setdiff1d(gone, keys)
-        if v.kind == "full":  # tables it does not hold are emptied
-            for name in known:
-                if name not in v.tables:
-                    staged.deleted[name] = self._stored_keys(name, np.empty(0, dtype=np.int64))
         return staged
 
     def _stored_keys(self, table: str, keep: np.ndarray) -> np.ndarray:
