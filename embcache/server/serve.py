@@ -252,4 +252,7 @@ def _serving_cache(s: ServerSettings, config: CacheConfig) -> tuple[CacheConfig,
             continue  # another serving process's store
         shutil.rmtree(stale, ignore_errors=True)
     path = tempfile.mkdtemp(prefix="serving-", dir=config.path)
-    return replace(config, path=path, lookups_create_rows=False), tables
+    options = dict(config.store_options)
+    if config.store == "rocksdb":  # a copy thrown away at every start: no WAL (a version's switch writes half as long)
+        options.setdefault("write_ahead_log", False)
+    return replace(config, path=path, lookups_create_rows=False, store_options=options), tables
