@@ -371,3 +371,27 @@ def test_serving_settings_come_from_the_config_file_and_flags_override_them(tmp_
     config.write_text('[serving]\npath = "exports"\n')
     with pytest.raises(ConfigError, match=r"unknown \[serving\] keys"):
         load_settings(["--config", str(config)])
+
+
+def test_a_missing_version_is_reported_once_and_applied_when_it_appears(tmp_path: Path) -> None:
+    """In process (no server): the follow loop's order of versions, and its error count."""
+    from embcache.server.serving import ServedModel, serving_tables
+
+    export = str(tmp_path / "export")
+    cfg = TableConfig(name="t", dim=2).to_dict()
+
+    def part(v: float) -> dict[str, TablePart]:
+        return {"t": TablePart(cfg, np.arange(4), np.full((4, 2), v, dtype=np.float32))}
+
+    write_version(export, 1, "full", part(1.0))
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "s"), hbm_bytes=4000, ddr_bytes=4000,
+                                    lookups_create_rows=False), serving_tables(export)) as cache:
+        model = ServedModel(export, cache)
+        assert model.load() == 1
+        write_version(export, 3, "delta", part(3.0), base_version=2)  # version 2 not there (yet)
+        assert model.poll() == 0 and model.poll() == 0
+        assert (model.version, model.errors) == (1, 1)
+        assert torch.equal(cache.lookup("t", torch.arange(4)), torch.ones(4, 2))
+        write_version(export, 2, "delta", part(2.0), base_version=1)
+        assert model.poll() == 2 and (model.version, model.errors) == (3, 1)
+        assert torch.equal(cache.lookup("t", torch.arange(4)), torch.full((4, 2), 3.0))

@@ -301,7 +301,12 @@ class ServedModel:
         try:
             v = read_version(path)
             if v is None and not os.path.exists(path):
-                return self._newer_full(n)
+                full = self._newer_full(n)
+                later = [x for x in list_versions(self.directory) if x > n]
+                if full is None and later:
+                    self._report(f"version {n} is missing but version {later[0]} exists; waiting for version {n} "
+                                 "or a new full version")
+                return full
         except ExportFormatError as exc:
             self._report(str(exc))
             return self._newer_full(n + 1)
