@@ -539,7 +539,8 @@ class EmbeddingCache:
                 freq = t.freq_of(torch.from_numpy(found[mask]))
             yield found[mask], records[mask], freq.numpy()
 
-    def import_rows(self, table: str, keys: Any, records: np.ndarray, freq: np.ndarray | None = None) -> None:
+    def import_rows(self, table: str, keys: Any, records: np.ndarray, freq: np.ndarray | None = None, *,
+                    refresh: bool = False) -> None:
         """Replace the rows of ``keys`` with ``records`` (from another cache's :meth:`export_rows`).
 
         Memory copies of those keys are dropped (not written back) and the records written to
@@ -550,6 +551,8 @@ class EmbeddingCache:
             keys: int64 [n], unique.
             records: uint8 [n, record_bytes].
             freq: float [n] aged access frequencies (optional).
+            refresh: memory copies take the records' values in place (clean) instead of being
+                dropped: hot rows stay resident (serving mode's version switch).
 
         Raises:
             UnknownTableError, InvalidKeysError (duplicates), InvalidRowsError (record shape),
@@ -566,7 +569,7 @@ class EmbeddingCache:
             raise InvalidRowsError(f"import_rows: freq must have shape [{k.numel()}], got {list(np.shape(freq))}")
         with t.lock:
             t.check_open()
-            t.import_records(k, records, freq)
+            t.import_records(k, records, freq, refresh)
 
     def delete_rows(self, table: str, keys: Any) -> None:
         """Delete the rows of ``keys`` from every tier and the store (e.g. after they moved to another shard).

@@ -231,6 +231,11 @@ class CacheConfig:
             needs ``mrc_sample_rate`` != 0). Which rows stay in memory then depends on when
             that thread ran, so hit counts may differ between runs (the values never do);
             False keeps the fixed defaults.
+        lookups_create_rows: True (default): a lookup of a key the store lacks makes its row
+            (the initializer's values) and may cache it. False: it returns the table's
+            ``unadmitted`` row ("init" or "zeros") and caches nothing: only rows the store
+            holds enter memory, and no lookup changes what the cache holds beyond moving
+            stored rows between tiers (serving mode, :mod:`embcache.server.serving`).
     """
 
     hbm_bytes: int | None = None
@@ -250,6 +255,7 @@ class CacheConfig:
     validate_memory: bool = True
     mrc_sample_rate: float | None = None
     tune_policy: bool = True
+    lookups_create_rows: bool = True
 
     def __post_init__(self) -> None:
         kind = _enum_value(StoreKind, self.store, "CacheConfig.store")

@@ -20,6 +20,7 @@ __all__ = [
     "MigratingError",
     "NonFiniteGradientError",
     "PassStateError",
+    "ReadOnlyError",
     "StoreError",
     "StoreFullError",
     "StoreLockedError",
@@ -104,4 +105,12 @@ class MigratingError(EmbcacheError, RuntimeError):
     """A write touched rows that a reshard is moving to another shard; nothing was applied.
 
     ``embcache.Client`` resends it until the migration commits (or the call's deadline).
+    """
+
+
+class ReadOnlyError(EmbcacheError, RuntimeError):
+    """A write reached a server in serving mode (``embcache-server --serve``); nothing was applied.
+
+    A serving server serves an exported model read-only: its rows change only when it applies
+    the export's next version. The message names the version it serves.
     """

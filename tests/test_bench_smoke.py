@@ -103,7 +103,7 @@ def test_only_the_server_benchmark_goes_stale_when_only_server_or_client_code_ch
     """A change to the gRPC server, RPC or client code cannot move a benchmark that starts neither."""
     by_name = {b.name: b for b in runner.SUITE}
     server, scale = by_name["server"], by_name["scale"]
-    assert [b.name for b in runner.SUITE if b.served] == ["server", "overload", "reshard"]
+    assert [b.name for b in runner.SUITE if b.served] == ["server", "overload", "reshard", "serving"]
     assert not any(p.startswith(":(exclude)") for p in runner.code_paths(server))
     for b in (server, scale):
         commit = runner.latest_change(b)["commit"]

@@ -845,3 +845,12 @@ def test_update_after_lookup_reuses_the_rows_the_lookup_read(make_cache: Any) ->
     want[100:] -= 1.0
     assert store_rows_read() > before
     assert_close(cache.lookup("t", keys), want, rtol=0, atol=0)
+
+
+def test_rows_without_state_whose_weights_are_not_whole_words_round_trip_the_store(make_cache: Any) -> None:
+    """float16 dim 3 with sgd: a 6-byte record and no state. Decoding once failed on viewing the
+    empty state slice (at byte offset 6) as float32."""
+    cache = make_cache(hbm_rows=0, ddr_rows=0, tables=[TableConfig(name="h", dim=3, dtype="float16")])
+    keys = torch.arange(5)
+    cache.assign("h", keys, torch.full((5, 3), 1.5))
+    assert_close(cache.lookup("h", keys), torch.full((5, 3), 1.5))

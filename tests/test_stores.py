@@ -401,6 +401,30 @@ def test_crash_durability_kill_9(kind: str, tmp_path: Path) -> None:
         assert s.count("t") == len(keys) and s.get_meta("m") == b"meta"
 
 
+def test_rocksdb_without_wal_keeps_what_flush_covered_through_kill_9(tmp_path: Path) -> None:
+    """write_ahead_log=False (serving mode's throw-away store): rows live in memtables until a
+    flush writes them to table files; what the flush covered survives kill -9."""
+    path = tmp_path / "db"
+    child = run_child(
+        """
+        s = open_store(kind, path, write_ahead_log=False)
+        s.open_table("t", 8)
+        keys = np.arange(1000, dtype=np.int64)
+        s.put_many("t", keys, np.full((1000, 8), 5, np.uint8))
+        s.put_meta("m", b"meta")
+        s.flush()
+        print("flushed", flush=True)
+        os.kill(os.getpid(), 9)
+        """,
+        "rocksdb",
+        path,
+    )
+    assert child.returncode == -9 and "flushed" in child.stdout, child.stderr
+    with open_store("rocksdb", str(path)) as s:
+        found, got = s.get_many("t", np.arange(1000, dtype=np.int64))
+        assert found.all() and (got == 5).all() and s.get_meta("m") == b"meta"
+
+
 def test_rocksdb_second_process_gets_store_locked(tmp_path: Path) -> None:
     path = tmp_path / "db"
     with open_store("rocksdb", str(path)) as s:

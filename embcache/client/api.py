@@ -500,6 +500,21 @@ class Client:
                                          idempotent=True)
         return [json.loads(r.json) for r in replies]
 
+    def server_info(self) -> list[dict[str, Any]]:
+        """Each shard's ``ServerInfo`` (fetched now), in :attr:`servers` order, as a dict: its
+        ``address``, embcache ``version``, limits, ``device``, ``durability``, ``incarnation``
+        and, in serving mode (``embcache-server --serve``), ``serving_version`` (the export's
+        version it serves; 0: not serving) and ``serving_directory``.
+
+        Raises:
+            UnavailableError, DeadlineExceededError.
+        """
+        shards = self._transport.topology.shards
+        replies = self._transport.fanout([(s, "ListTables", pb.ListTablesRequest()) for s in shards],
+                                         idempotent=True)
+        return [{"address": shard.address, **{f.name: getattr(r.server, f.name) for f in r.server.DESCRIPTOR.fields}}
+                for shard, r in zip(shards, replies, strict=True)]
+
     def row_bytes(self, table: str) -> int:
         """Bytes of memory one resident row of ``table`` costs (weights, optimizer state, bookkeeping, key index).
 

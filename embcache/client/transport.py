@@ -32,7 +32,7 @@ import grpc
 from google.protobuf.message import Message
 
 from ..config import TableConfig
-from ..errors import ConfigError, EmbcacheError, UnknownTableError, WrongShardError
+from ..errors import ConfigError, EmbcacheError, ReadOnlyError, UnknownTableError, WrongShardError
 from ..ring import HashRing, ShardMap
 from ..rpc import codec
 from ..rpc.errors import ERROR_TYPE_KEY, MAP_VERSION_KEY, SHARD_MAP_KEY, error_from_rpc, not_applied, trailer
@@ -272,8 +272,9 @@ class Transport:
         held = []
         for (shard, _, _), o in zip(calls, outcomes, strict=True):
             if isinstance(o, grpc.RpcError):
-                if o.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED):
-                    return  # a read-only token (it writes nothing), or a server older than shard maps
+                if (o.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
+                        or trailer(o, ERROR_TYPE_KEY) == ReadOnlyError.__name__):
+                    return  # a read-only token or server (nothing is written), or a server older than shard maps
                 if trailer(o, ERROR_TYPE_KEY) != "ConfigError":  # ConfigError: it holds another map (read below)
                     raise error_from_rpc(o, shard.address) from None
                 o = self.fanout([(shard, "GetShardMap", pb.GetShardMapRequest())], idempotent=True,

@@ -29,14 +29,16 @@ def stage_admitting(t: TableEngine, keys: torch.Tensor, counts: torch.Tensor, in
 
     Keys the store lacks count towards admission; those whose count reaches ``admit_after``
     are admitted now (staged like any row), the others get the ``unadmitted`` rows and stay
-    out of memory and the store. Returns the staged rows and the rows to return for ``keys``.
+    out of memory and the store. A table whose lookups create no rows (``t.stored_only``,
+    ``CacheConfig.lookups_create_rows=False``) admits no key this way: only stored rows are
+    staged. Returns the staged rows and the rows to return for ``keys``.
     """
-    assert t.admission is not None
     read = t.rows.read(keys)
     keep = read.fmask.clone()
-    _mark_stored(t, keys[read.fmask])
+    if t.admission is not None:
+        _mark_stored(t, keys[read.fmask])
     new = torch.nonzero(~read.fmask).flatten()
-    if new.numel():
+    if new.numel() and t.admission is not None and not t.stored_only:
         seen = t.admission.add_and_estimate(keys[new], counts[new].to(torch.float64))
         reached = seen >= t.cfg.admit_after
         keep[new] = reached

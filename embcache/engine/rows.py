@@ -126,6 +126,8 @@ class RecordCodec:
         rec = torch.from_numpy(records)
         n = rec.shape[0]
         w = rec[:, :self.weight_bytes].contiguous().view(self.cfg.torch_dtype).reshape(n, self.cfg.dim)
+        if not self.state_width:  # (an empty slice at an offset not a multiple of 4 cannot be viewed as float32)
+            return w, torch.empty(n, 0, dtype=torch.float32)
         s = rec[:, self.weight_bytes:].contiguous().view(torch.float32).reshape(n, self.state_width)
         return w, s
 

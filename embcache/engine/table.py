@@ -94,6 +94,9 @@ class TableEngine:
         self.sketch = FrequencySketch(width, device=torch.device("cpu"))
         # admission (admit_after > 1): how often each key not yet stored was looked up (raw counts)
         self.admission = FrequencySketch(width, device=torch.device("cpu")) if cfg.admit_after > 1 else None
+        # CacheConfig.lookups_create_rows=False: a lookup places stored rows only; keys the store
+        # lacks get the ``unadmitted`` row, as if never admitted (see admission.stage_admitting)
+        self.stored_only = not config.lookups_create_rows
         self.params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
                                       weight_decay=cfg.weight_decay)
         # Eviction sampling draws from seeded generators of its own, one per device (a CUDA
@@ -275,7 +278,7 @@ class TableEngine:
         s_keys, s_counts = cpu_keys.index_select(0, s_pos), cpu_counts.index_select(0, s_pos)
         read: StagedRead | None = None
         s_values: torch.Tensor | None = None  # the rows returned for s_keys, where not the staged ones
-        if self.admission is not None and s_keys.numel():
+        if (self.admission is not None or self.stored_only) and s_keys.numel():
             staged, s_values = admission.stage_admitting(self, s_keys, s_counts, inc, now)
         elif s_keys.numel() >= _OVERLAP_READ_MIN:
             # The store read runs on a reader thread (the store bindings release the GIL) while
@@ -573,10 +576,30 @@ class TableEngine:
             tier.remove(slots[slots >= 0])
         self.recent = None  # the rows a lookup kept aside may be of these keys
 
-    def import_records(self, keys: torch.Tensor, records: np.ndarray, freq: np.ndarray | None) -> None:
-        """Replace the rows of unique CPU ``keys`` by store ``records`` (memory copies dropped)."""
+    def _refresh_resident(self, keys: torch.Tensor, records: np.ndarray) -> None:
+        """Give the memory copies of ``keys`` (unique) the values of their store ``records``, clean."""
+        weights = state = None
+        for tier in (self.hbm, self.ddr):
+            slots = to_host(tier.find(keys))[0]
+            pos = torch.nonzero(slots >= 0).flatten()
+            if pos.numel() == 0:
+                continue
+            if weights is None or state is None:
+                weights, state = self.codec.decode(np.ascontiguousarray(records))
+            at = slots.index_select(0, pos)
+            tier.write(at, weights.index_select(0, pos), state.index_select(0, pos))
+            tier.dirty.index_fill_(0, to_device(at, tier.device), False)
+        self.recent = None  # the rows a lookup kept aside may be of these keys
+
+    def import_records(self, keys: torch.Tensor, records: np.ndarray, freq: np.ndarray | None,
+                       refresh: bool = False) -> None:
+        """Replace the rows of unique CPU ``keys`` by store ``records``: memory copies are dropped,
+        or with ``refresh`` overwritten in place (clean, as the store now holds them)."""
         self.rows.put(keys.numpy(), records)
-        self._drop_resident(keys)
+        if refresh:
+            self._refresh_resident(keys, records)
+        else:
+            self._drop_resident(keys)
         if freq is not None and keys.numel():
             self.sketch.raise_to(keys, torch.as_tensor(np.asarray(freq, dtype=np.float32)))
 

@@ -10,9 +10,10 @@ from .format import (
     load_model,
     read_table,
     read_version,
+    version_chain,
     version_dir,
     write_version,
 )
 
 __all__ = ["ExportFormatError", "TablePart", "TableRows", "Version", "latest_version", "list_versions", "load_model",
-           "read_table", "read_version", "version_dir", "write_version"]
+           "read_table", "read_version", "version_chain", "version_dir", "write_version"]

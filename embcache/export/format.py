@@ -43,8 +43,8 @@ from ..errors import EmbcacheError
 from ..stores.base import fsync_dir
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "ExportFormatError", "TablePart", "TableRows", "Version", "fold",
-           "latest_version", "list_versions", "load_model", "read_table", "read_version", "version_dir",
-           "weights_array", "weights_tensor", "write_version"]
+           "latest_version", "list_versions", "load_model", "read_table", "read_version", "version_chain",
+           "version_dir", "weights_array", "weights_tensor", "write_version"]
 
 FORMAT = "embcache-export"
 FORMAT_VERSION = 1
@@ -310,13 +310,9 @@ def fold(base: TableRows | None, config: dict[str, Any], dtype: str, part: Mappi
     return TableRows(config, all_keys[order], all_w[order], None if all_s is None else all_s[order], dtype)
 
 
-def load_model(directory: str, version: int | None = None, *, tables: Sequence[str] | None = None,
-               with_state: bool = False) -> tuple[int, dict[str, TableRows]]:
-    """Every table's rows as of ``version`` (default: the newest complete one): its newest full
-    version at or before it, with the deltas after that folded in.
-
-    Returns:
-        ``(version, {table: rows})``.
+def version_chain(directory: str, version: int | None = None) -> list[Version]:
+    """The versions to apply, in order, to hold ``version`` (default: the newest complete one):
+    its newest full version at or before it, then each delta after that.
 
     Raises:
         ExportFormatError: no complete version, the version asked for is incomplete, or the chain
@@ -335,6 +331,23 @@ def load_model(directory: str, version: int | None = None, *, tables: Sequence[s
                                     "which is missing or incomplete")
         chain.append(prev)
     chain.reverse()
+    return chain
+
+
+def load_model(directory: str, version: int | None = None, *, tables: Sequence[str] | None = None,
+               with_state: bool = False) -> tuple[int, dict[str, TableRows]]:
+    """Every table's rows as of ``version`` (default: the newest complete one): its newest full
+    version at or before it, with the deltas after that folded in.
+
+    Returns:
+        ``(version, {table: rows})``.
+
+    Raises:
+        ExportFormatError: no complete version, the version asked for is incomplete, or the chain
+            from the full version to it is broken.
+    """
+    chain = version_chain(directory, version)
+    target = chain[-1]
     out: dict[str, TableRows] = {}
     for v in chain:
         for name, entry in v.tables.items():

@@ -27,6 +27,7 @@ from ..errors import (
     MigratingError,
     NonFiniteGradientError,
     PassStateError,
+    ReadOnlyError,
     StoreError,
     StoreFullError,
     StoreLockedError,
@@ -183,6 +184,7 @@ ERROR_STATUS: dict[type[BaseException], grpc.StatusCode] = {
     CacheClosedError: grpc.StatusCode.UNAVAILABLE,
     MigratingError: grpc.StatusCode.UNAVAILABLE,
     WrongShardError: grpc.StatusCode.FAILED_PRECONDITION,
+    ReadOnlyError: grpc.StatusCode.FAILED_PRECONDITION,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,  # (StreamIdleError, raised in the server)
     StreamCancelledError: grpc.StatusCode.CANCELLED,  # (raised in the server)
     StoreLockedError: grpc.StatusCode.FAILED_PRECONDITION,

@@ -86,6 +86,18 @@ pinned until the client releases them, or until the lease goes its time-to-live 
 renewal (the client asks for one, 30 s by default; at most --max-lease-seconds): a crashed or
 cut-off client never pins rows for longer. A held lease costs no server thread.
 
+Serving mode (--serve DIR): serve a model exported by embcache.export (numbered full and delta
+versions) read-only. The tables and rows come from the newest complete version in DIR; the rows
+go into a fresh store under --path (removed at a clean stop), weights only (no optimizer state in
+memory or on disk), with the tiers sized as usual. A key the model lacks gets --unknown-rows
+(zeros by default, or the table's initializer) and creates no row. Every write call (role "write"
+below) is refused: FAILED_PRECONDITION, ReadOnlyError, naming the version served. --follow polls
+DIR every --follow-interval-seconds and applies each new complete version atomically: a Lookup,
+over all its tables, sees one version, never a mix; a version still being written is waited for;
+a broken chain is logged and counted, and the last good version served on. The version served is
+in ListTables (ServerInfo.serving_version, Client.server_info()), in Stats (each table's
+"serving") and in the metrics (embcache_serving_version, ..._version_age_seconds, ...).
+
 Diagnostics: ``kill -USR1 PID`` prints every thread's stack to stderr; a shutdown still running
 30 s after its drain and grace prints them too (every 30 s until it ends).
 
@@ -110,6 +122,11 @@ units: "4GiB", "512MB" (KiB/MiB/GiB/TiB: powers of 1024; KB/MB/GB/TB: of 1000).
     key = "server.key"
     [auth]
     token_file = "tokens.txt"
+    # [serving]                        # serving mode, instead of [[tables]] and [durability]
+    # directory = "./exports"
+    # follow = true
+    # follow_interval_seconds = 1
+    # unknown_rows = "zeros"
     [[tables]]                         # embcache.TableConfig fields
     name = "user"
     dim = 64
@@ -212,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", action="append", default=[], help="file of read-write bearer tokens")
     p.add_argument("--auth-readonly-token-file", action="append", default=[], help="file of read-only bearer tokens")
     p.add_argument("--port-file", help="write {port, metrics_port, pid} as JSON here once serving")
+    p.add_argument("--serve", metavar="DIR",
+                   help="serving mode: serve the exported model in DIR read-only (every write call refused)")
+    p.add_argument("--follow", action="store_true", default=None,
+                   help="serving mode: apply each new version of the export as it appears")
+    p.add_argument("--follow-interval-seconds", type=float, metavar="S",
+                   help="serving mode: look for a new version every S seconds (default 1)")
+    p.add_argument("--unknown-rows", choices=["zeros", "init"],
+                   help="serving mode: what a key the model lacks gets (default zeros; init: the initializer's row)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -234,7 +259,9 @@ def load_settings(argv: Sequence[str] | None = None) -> tuple[ServerSettings, ar
                  "flush_interval_seconds": args.flush_interval_seconds, "sync": args.sync,
                  "grace_seconds": args.grace_seconds, "drain_seconds": args.drain_seconds,
                  "tls_cert": args.tls_cert, "tls_key": args.tls_key,
-                 "tls_client_ca": args.tls_client_ca, "port_file": args.port_file}
+                 "tls_client_ca": args.tls_client_ca, "port_file": args.port_file, "serve": args.serve,
+                 "follow": args.follow, "follow_interval_seconds": args.follow_interval_seconds,
+                 "unknown_rows": args.unknown_rows}
     for key, value in overrides.items():
         if value is not None:
             setattr(s, key, value)
@@ -306,9 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = s.listen.rsplit(":", 1)[0]
     metrics = f", metrics http://{s.metrics_host}:{running.metrics_port}/metrics" if running.metrics_port >= 0 else ""
     tls = " (mutual TLS)" if s.tls_client_ca else " (TLS)" if s.tls_cert else ""
+    mode = (f"version {running.serving.version} of {running.serving.directory!r} read-only"
+            f"{' (following)' if s.follow else ''}" if running.serving is not None
+            else f"durability: {running.durability.describe()}")
     print(f"embcache-server {__version__}: serving {sorted(running.cache.tables())} from "
-          f"{running.cache.config.path!r} on {host}:{running.port}{tls}{metrics}; "
-          f"durability: {running.durability.describe()}", flush=True)
+          f"{running.cache.config.path!r} on {host}:{running.port}{tls}{metrics}; {mode}", flush=True)
     if s.port_file:
         _write_port_file(s.port_file, running)
     # Short waits: CPython runs signal handlers on the main thread only, and a signal the kernel hands

@@ -11,12 +11,15 @@ listening, let calls finish, flush, close) is described in ``embcache-server --h
 from __future__ import annotations
 
 import faulthandler
+import glob
 import logging
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -25,7 +28,9 @@ from grpc_reflection.v1alpha import reflection
 
 from .. import __version__
 from ..cache import EmbeddingCache
-from ..errors import ConfigError
+from ..config import CacheConfig, TableConfig
+from ..engine.durability import PathLock
+from ..errors import ConfigError, StoreLockedError
 from ..rpc.v1 import embcache_pb2 as pb
 from .auth import TokenAuth, read_tokens
 from .durability import Durability
@@ -36,6 +41,7 @@ from .overload import HEALTH_THREADS, StreamWatchdog, add_health
 from .procmetrics import register_process_metrics
 from .rpcmetrics import RpcMetrics
 from .servicer import EmbeddingCacheServicer
+from .serving import ReadOnlyGuard, ServedModel, register_serving_metrics, serving_tables
 from .settings import ServerSettings
 from .sharding import ShardGate
 
@@ -63,6 +69,7 @@ class RunningServer:
     _metrics_httpd: Any = None
     _pools: tuple[ThreadPoolExecutor, ...] = ()
     _stopped: bool = False
+    serving: ServedModel | None = None  # serving mode (--serve): the export served
 
     def shutdown(self) -> None:
         """NOT_SERVING, refuse new calls, let calls in flight finish, flush and close. Idempotent."""
@@ -86,12 +93,16 @@ class RunningServer:
                             "anyway (their stacks follow on stderr)", _STOP_SLACK_SECONDS)
                 faulthandler.dump_traceback(all_threads=True)
             log.info("shutdown: calls finished after %.2f s", time.perf_counter() - t0)
+            if self.serving is not None:
+                self.serving.stop()
             self.durability.stop()
             for pool in self._pools:  # the stream and health threads: their calls ended with the server
                 pool.shutdown(wait=False, cancel_futures=True)
             self.servicer.close()  # cancels the batch leases: nothing pinned is left to the cache's close
             self.cache.close()
             self.durability.ledger.close()  # every write this process acknowledged is durable: say so on disk
+            if self.serving is not None:  # the serving store is the export's copy: nothing to keep
+                shutil.rmtree(self.cache.config.path, ignore_errors=True)
             log.info("shutdown: cache flushed and closed after %.2f s", time.perf_counter() - t0)
             if self._metrics_httpd is not None:
                 self._metrics_httpd.shutdown()
@@ -131,6 +142,9 @@ def start_server(s: ServerSettings) -> RunningServer:
     # The servicer hands the library read-only tensors over request bytes; the cache never writes its inputs.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     config = s.cache_config()
+    tables = s.tables
+    if s.serve:
+        config, tables = _serving_cache(s, config)
     if s.torch_threads > 0:
         import torch
 
@@ -141,11 +155,16 @@ def start_server(s: ServerSettings) -> RunningServer:
     if env_token:
         rw.add(env_token)
     credentials = _credentials(s)
-    cache = EmbeddingCache(config, s.tables)
+    cache = EmbeddingCache(config, tables)
     servicer: EmbeddingCacheServicer | None = None
+    serving: ServedModel | None = None
     try:
         registry = CollectorRegistry()
         register_metrics(cache, registry)
+        if s.serve:
+            serving = ServedModel(s.serve, cache, s.unknown_rows, float(s.follow_interval_seconds))
+            serving.load()
+        register_serving_metrics(registry, serving)
         # embcache_rpc_request_duration_seconds and the grpc_server_* names, from one count
         rpc_metrics = RpcMetrics(pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"], _LATENCY_BUCKETS)
         registry.register(rpc_metrics)
@@ -155,14 +174,15 @@ def start_server(s: ServerSettings) -> RunningServer:
                              reject_nonfinite=config.reject_nonfinite, max_receive_message_bytes=s.max_message_bytes,
                              max_send_message_bytes=s.max_message_bytes, device=str(cache.device),
                              durability=durability.describe(), max_lease_seconds=float(s.max_lease_seconds),
-                             incarnation=durability.ledger.incarnation)
+                             incarnation=durability.ledger.incarnation,
+                             serving_directory=s.serve or "")
         gate = ShardGate(config.path, cache)
         gate.register_metrics(registry)
         register_process_metrics(registry, __version__)
         servicer = EmbeddingCacheServicer(cache, durability, info, rpc_metrics,
                                           s.checkpoint_root or os.path.join(config.path, "checkpoints"),
                                           LeaseTable(cache, float(s.max_lease_seconds)), gate,
-                                          StreamWatchdog(float(s.stream_idle_seconds)))
+                                          StreamWatchdog(float(s.stream_idle_seconds)), serving)
         workers = s.workers or max(8, 4 * (os.cpu_count() or 1))
         stream_pool = ThreadPoolExecutor(max_workers=s.stream_workers or max(2, workers // 2),
                                          thread_name_prefix="embcache-stream")
@@ -171,7 +191,9 @@ def start_server(s: ServerSettings) -> RunningServer:
         options = [("grpc.max_send_message_length", s.max_message_bytes),
                    ("grpc.max_receive_message_length", s.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # two servers must never share a port silently
-        interceptors = [TokenAuth(rw, ro, rpc_metrics)] if rw or ro else []
+        interceptors: list[grpc.ServerInterceptor] = [TokenAuth(rw, ro, rpc_metrics)] if rw or ro else []
+        if serving is not None:  # after the token check: a caller without a valid token learns nothing
+            interceptors.append(ReadOnlyGuard(serving, rpc_metrics))
         server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embcache-rpc"),
                              options=options, interceptors=interceptors)
         add_to_server(servicer, server, stream_pool)
@@ -193,10 +215,44 @@ def start_server(s: ServerSettings) -> RunningServer:
         server.start()
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if serving is not None and s.follow:
+            serving.follow()
     except BaseException:
+        if serving is not None:
+            serving.stop()
         if servicer is not None:
             servicer.close()
         cache.close()
+        if s.serve:
+            shutil.rmtree(config.path, ignore_errors=True)
         raise
     return RunningServer(server, cache, servicer, health_servicer, durability, port, metrics_port,
-                         s.grace_seconds, s.drain_seconds, httpd, pools)
+                         s.grace_seconds, s.drain_seconds, httpd, pools, serving=serving)
+
+
+def _serving_cache(s: ServerSettings, config: CacheConfig) -> tuple[CacheConfig, list[TableConfig]]:
+    """Serving mode: the cache's config (a fresh store under ``config.path``, lookups creating no
+    rows) and tables (the export's, weights only).
+
+    Stores that earlier serving processes left under the path (killed before they removed them)
+    are removed first, when no process holds them.
+
+    Raises:
+        ConfigError: the export directory is missing. ExportFormatError: it holds no complete version.
+    """
+    assert s.serve is not None
+    if not os.path.isdir(s.serve):
+        raise ConfigError(f"--serve {s.serve!r}: no such directory")
+    tables = serving_tables(s.serve, s.unknown_rows)
+    os.makedirs(config.path, exist_ok=True)
+    for stale in glob.glob(os.path.join(config.path, "serving-*")):
+        try:
+            PathLock(stale).release()
+        except (StoreLockedError, OSError):
+            continue  # another serving process's store
+        shutil.rmtree(stale, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix="serving-", dir=config.path)
+    options = dict(config.store_options)
+    if config.store == "rocksdb":  # a copy thrown away at every start: no WAL (a version's switch writes half as long)
+        options.setdefault("write_ahead_log", False)
+    return replace(config, path=path, lookups_create_rows=False, store_options=options), tables

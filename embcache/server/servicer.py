@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import grpc
@@ -67,6 +68,7 @@ from .handlers import SERVICE_NAME, add_to_server
 from .leases import LeaseTable
 from .overload import StreamWatchdog
 from .rpcmetrics import RpcMetrics
+from .serving import ServedModel
 from .sharding import ShardGate
 
 __all__ = ["LOOKUP_CHUNK_KEYS", "READ_METHODS", "ROLES", "SERVICE_NAME", "WRITE_METHODS", "Durability",
@@ -94,13 +96,19 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         leases: the batch leases (default: a table with the server's longest time-to-live).
         gate: the shard map's gate (default: one over the cache's store directory).
         watchdog: cuts idle client streams (default: none).
+        serving: serving mode: the export served (lookups hold its version gate; ListTables and
+            Stats report its version). Its write calls are refused before they reach here
+            (:class:`~embcache.server.serving.ReadOnlyGuard`).
     """
 
     def __init__(self, cache: EmbeddingCache, durability: Durability, server_info: pb.ServerInfo,
                  metrics: RpcMetrics, checkpoint_root: str,
                  leases: LeaseTable | None = None, gate: ShardGate | None = None,
-                 watchdog: StreamWatchdog | None = None) -> None:
+                 watchdog: StreamWatchdog | None = None, serving: ServedModel | None = None) -> None:
         self._cache = cache
+        self._serving = serving
+        self._reading: Callable[[], AbstractContextManager[None]] = (
+            serving.gate.reading if serving is not None else nullcontext)
         self._gate = gate if gate is not None else ShardGate(cache.config.path, cache)
         self._durability = durability
         self._info = server_info
@@ -229,6 +237,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             info = pb.ServerInfo()
             info.CopyFrom(self._info)
             info.shard_map = self._gate.state()[0]
+            if self._serving is not None:
+                info.serving_version = self._serving.version
             return pb.ListTablesResponse(tables=[codec.table_to_proto(tables[n]) for n in sorted(tables)],
                                          server=info)
         return self._run("ListTables", context, list_tables)
@@ -248,20 +258,22 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             known = self._cache.tables()
             self._check_reply_size(keys, known)
             if any(name not in known for name in keys):  # the library raises UnknownTableError, having read nothing
-                rows = self._cache.lookup_many(keys)  # (or the table was created meanwhile)
+                with self._reading():  # (or the table was created meanwhile)
+                    rows = self._cache.lookup_many(keys)
                 return wire.encode_lookup_response([(n, r.cpu().numpy()) for n, r in rows.items()])
             reply, views = wire.new_lookup_response([(n, k.numel(), known[n].dim) for n, k in keys.items()])
             on_cpu = self._cache.device.type == "cpu"
-            for (name, k), out in zip(keys.items(), views, strict=True):
-                # In chunks: the cache's working memory for a batch (unique keys, staged rows, their
-                # placement) grows with the batch, so one lookup of 8M unknown keys (a 64 MiB request)
-                # peaked 4 GiB above the tier budgets; per chunk it stays bounded.
-                for start in range(0, max(k.numel(), 1), LOOKUP_CHUNK_KEYS):
-                    end = start + LOOKUP_CHUNK_KEYS
-                    if on_cpu:
-                        self._cache.lookup(name, k[start:end], out=out[start:end])
-                    else:  # the rows leave the device once, into the reply
-                        out[start:end].copy_(self._cache.lookup(name, k[start:end]))
+            with self._reading():  # serving mode: every table and chunk of one version
+                for (name, k), out in zip(keys.items(), views, strict=True):
+                    # In chunks: the cache's working memory for a batch (unique keys, staged rows, their
+                    # placement) grows with the batch, so one lookup of 8M unknown keys (a 64 MiB request)
+                    # peaked 4 GiB above the tier budgets; per chunk it stays bounded.
+                    for start in range(0, max(k.numel(), 1), LOOKUP_CHUNK_KEYS):
+                        end = start + LOOKUP_CHUNK_KEYS
+                        if on_cpu:
+                            self._cache.lookup(name, k[start:end], out=out[start:end])
+                        else:  # the rows leave the device once, into the reply
+                            out[start:end].copy_(self._cache.lookup(name, k[start:end]))
             return reply
         return self._run("Lookup", context, lookup)
 
@@ -453,7 +465,14 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         """``EmbeddingCache.stats()`` as JSON."""
-        return self._run("Stats", context, lambda: pb.StatsResponse(json=json.dumps(self._cache.stats())))
+        def stats() -> pb.StatsResponse:
+            report = self._cache.stats()
+            if self._serving is not None:  # serving mode: the version served, in each table's entry
+                served = self._serving.report()
+                for entry in report.values():
+                    entry["serving"] = served
+            return pb.StatsResponse(json=json.dumps(report))
+        return self._run("Stats", context, stats)
 
     def ResidentKeys(self, request: pb.ResidentKeysRequest,
                      context: grpc.ServicerContext) -> Iterator[pb.ResidentKeysResponse]:

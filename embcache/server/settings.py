@@ -55,6 +55,12 @@ class ServerSettings:
         tls_cert, tls_key, tls_client_ca: PEM files (TLS; with a client CA, mutual TLS).
         auth_token_files, auth_readonly_token_files: files of bearer tokens, one per line.
         port_file: a JSON file written once serving: ``{"port", "metrics_port", "pid"}``.
+        serve: serving mode: serve the export in this directory read-only
+            (:mod:`embcache.server.serving`; the store is a fresh directory under ``path``).
+        follow: serving mode: apply each new version of the export as it appears.
+        follow_interval_seconds: how often ``follow`` looks for a new version (default 1).
+        unknown_rows: serving mode: what a key the model lacks gets: "zeros" (default) or
+            "init" (the table's initializer); it never creates a row.
     """
 
     listen: str = "127.0.0.1:50051"
@@ -80,6 +86,10 @@ class ServerSettings:
     auth_token_files: list[str] = field(default_factory=list)
     auth_readonly_token_files: list[str] = field(default_factory=list)
     port_file: str | None = None
+    serve: str | None = None
+    follow: bool = False
+    follow_interval_seconds: float = 1.0
+    unknown_rows: str = "zeros"
 
     def cache_config(self) -> CacheConfig:
         """The CacheConfig to open (``path`` defaults to ./embcache-data).
@@ -126,6 +136,7 @@ _SECTION_KEYS = {
     "durability": {"flush_every_updates", "flush_interval_seconds", "sync"},
     "tls": {"cert", "key", "client_ca"},
     "auth": {"token_file", "readonly_token_file"},
+    "serving": {"directory", "follow", "follow_interval_seconds", "unknown_rows"},
 }
 _TOP_KEYS = {*_SCALAR_KEYS, "cache", "tables", *_SECTION_KEYS}
 
@@ -160,6 +171,11 @@ def _settings_from_dict(data: Mapping[str, Any]) -> ServerSettings:
     auth = data.get("auth", {})
     s.auth_token_files = [auth["token_file"]] if "token_file" in auth else []
     s.auth_readonly_token_files = [auth["readonly_token_file"]] if "readonly_token_file" in auth else []
+    serving = dict(data.get("serving", {}))
+    if "directory" in serving:
+        s.serve = serving.pop("directory")
+    for key, value in serving.items():
+        setattr(s, key, value)
     return s
 
 
@@ -285,5 +301,30 @@ def check_settings(s: ServerSettings) -> None:
         raise ConfigError(f"stream_idle_seconds={s.stream_idle_seconds}: must be a number of seconds > 0")
     if s.workers < 0 or s.stream_workers < 0:
         raise ConfigError(f"workers={s.workers}, stream_workers={s.stream_workers}: must be >= 0 (0: the default)")
+    _check_serving(s)
     if not MIN_TTL_SECONDS <= float(s.max_lease_seconds) < float("inf"):
         raise ConfigError(f"max_lease_seconds={s.max_lease_seconds}: must be a number of seconds >= {MIN_TTL_SECONDS}")
+
+
+def _check_serving(s: ServerSettings) -> None:
+    """Serving mode's settings: a directory, and nothing that writes (tables, durability).
+
+    Raises:
+        ConfigError: a serving setting without ``serve``, or ``serve`` with a setting it excludes.
+    """
+    if not s.serve:
+        if s.follow:
+            raise ConfigError("--follow needs --serve DIR (the export directory to serve and follow)")
+        return
+    if s.tables:
+        raise ConfigError(f"--serve takes its tables from the export in {s.serve!r}; drop --table/[[tables]] "
+                          f"({', '.join(t.name for t in s.tables)})")
+    if s.flush_every_updates or s.flush_interval_seconds or s.sync:
+        raise ConfigError("--serve is read-only: --flush-every-updates, --flush-interval-seconds and --sync "
+                          "do not apply")
+    if s.unknown_rows not in ("zeros", "init"):
+        raise ConfigError(f"unknown_rows={s.unknown_rows!r}: choose 'zeros' or 'init'")
+    if not 0 < float(s.follow_interval_seconds) < float("inf"):
+        raise ConfigError(f"follow_interval_seconds={s.follow_interval_seconds}: must be a number of seconds > 0")
+    if "lookups_create_rows" in s.cache:
+        raise ConfigError("--serve sets [cache] lookups_create_rows (to false) itself; drop it")

@@ -56,7 +56,7 @@ class TableConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_share: _Optional[float] = ..., admit_after: _Optional[int] = ..., unadmitted: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability", "max_lease_seconds", "incarnation", "shard_map")
+    __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability", "max_lease_seconds", "incarnation", "shard_map", "serving_version", "serving_directory")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
     REJECT_NONFINITE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class ServerInfo(_message.Message):
     MAX_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    SERVING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVING_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_batch_keys: int
     reject_nonfinite: bool
@@ -77,7 +79,9 @@ class ServerInfo(_message.Message):
     max_lease_seconds: float
     incarnation: int
     shard_map: str
-    def __init__(self, version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., reject_nonfinite: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., max_send_message_bytes: _Optional[int] = ..., device: _Optional[str] = ..., durability: _Optional[str] = ..., max_lease_seconds: _Optional[float] = ..., incarnation: _Optional[int] = ..., shard_map: _Optional[str] = ...) -> None: ...
+    serving_version: int
+    serving_directory: str
+    def __init__(self, version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., reject_nonfinite: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., max_send_message_bytes: _Optional[int] = ..., device: _Optional[str] = ..., durability: _Optional[str] = ..., max_lease_seconds: _Optional[float] = ..., incarnation: _Optional[int] = ..., shard_map: _Optional[str] = ..., serving_version: _Optional[int] = ..., serving_directory: _Optional[str] = ...) -> None: ...
 
 class WriteReceipt(_message.Message):
     __slots__ = ("incarnation", "seq")

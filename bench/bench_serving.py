@@ -1,0 +1,207 @@
+"""Serving benchmark: a serving server's lookup latency while it follows an export's new versions.
+
+Run from the repository root::
+
+    .venv/bin/python bench/bench_serving.py            # 1,000 lookups per phase (~1 min)
+    .venv/bin/python bench/bench_serving.py --quick    # 200 per phase, writes serving-quick.*
+
+An export of one table, dim 64, 200,000 rows (fp32), version 1 written in full by this process
+(:func:`embcache.export.write_version`). One ``embcache-server --serve DIR --follow
+--follow-interval-seconds 0.05`` on 127.0.0.1 serves it, tiers large enough for every row (the
+service path and the version switch are measured, not the disk; every row is looked up once
+before the phases, so all are resident). A client looks up 4,096
+uniformly drawn keys at a time, one lookup after another, in two phases:
+
+* **steady**: no new version appears;
+* **applying deltas**: meanwhile a thread of this process writes a delta version every 0.25 s,
+  each changing 10,000 rows and deleting 100 keys (as a trainer exporting often would), and the
+  server applies each as it appears.
+
+Per phase: lookup p50, p99 and max, and, for the second, the versions the server applied during
+the phase and the time lookups were held off per switch (``embcache_serving_switch_seconds_total``
+over ``embcache_serving_versions_applied_total``, scraped from the server's metrics before and
+after). The summary's ratio is the applying phase's p99 over the steady phase's (target: at most
+2x). The exporting thread shares this machine's cores with the server and the client; one torch
+thread per process (the server's ``--torch-threads 1`` and this one's), as in ``bench_server.py``.
+Writes ``bench/results/serving.json``, ``serving.md`` and ``serving.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import machine_info, markdown_table, write_json
+from embcache import Client, TableConfig
+from embcache.export import TablePart, write_version
+from embcache.server.local import LocalServer
+
+DIM, ROWS, BATCH, DELTA_ROWS, DELTA_DELETED, EVERY = 64, 200_000, 4096, 10_000, 100, 0.25
+TARGET = 2.0
+CONFIG = TableConfig(name="t", dim=DIM).to_dict()
+
+
+def _pct(times: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(times) * 1e3, q)) if times else float("nan")
+
+
+def _metrics(server: LocalServer) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("embcache_serving_")}
+
+
+def _lookups(client: Client, n: int, rng: np.random.Generator) -> list[float]:
+    times = []
+    for _ in range(n):
+        keys = rng.integers(0, ROWS, BATCH)
+        t0 = time.perf_counter()
+        client.lookup("t", keys)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+class _Exporter(threading.Thread):
+    """Writes a delta version every EVERY seconds until stopped (the trainer's side)."""
+
+    def __init__(self, directory: str, first: int) -> None:
+        super().__init__(daemon=True)
+        self.directory, self.version = directory, first
+        self.stop = threading.Event()
+        self.rng = np.random.default_rng(1)
+        self.write_seconds: list[float] = []
+
+    def run(self) -> None:
+        while not self.stop.wait(EVERY):
+            keys = np.unique(self.rng.integers(0, ROWS, DELTA_ROWS + DELTA_DELETED))
+            changed, deleted = keys[:-DELTA_DELETED], keys[-DELTA_DELETED:]
+            t0 = time.perf_counter()
+            write_version(self.directory, self.version + 1, "delta", {"t": TablePart(
+                CONFIG, changed, self.rng.standard_normal((changed.size, DIM), dtype=np.float32), deleted)},
+                base_version=self.version)
+            self.write_seconds.append(time.perf_counter() - t0)
+            self.version += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="200 lookups per phase instead of 1,000")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="results directory")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # as the server (--torch-threads 1): on 2 shared cores intra-op threads only wait
+    info = machine_info(script=__file__, argv=argv)
+    n = 200 if args.quick else 1000
+    stem = os.path.join(args.out, "serving-quick" if args.quick else "serving")
+    t_start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    phases: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="embcache-bench-serving-") as tmp:
+        export = os.path.join(tmp, "export")
+        keys = np.arange(ROWS, dtype=np.int64)
+        write_version(export, 1, "full", {"t": TablePart(CONFIG, keys, rng.standard_normal((ROWS, DIM),
+                                                                                           dtype=np.float32))})
+        t0 = time.perf_counter()
+        server = LocalServer(Path(tmp) / "s", workdir=Path(tmp) / "run", metrics=True, start_timeout=300,
+                             args=["--serve", export, "--follow", "--follow-interval-seconds", "0.05",
+                                   "--torch-threads", "1", "--hbm-bytes", str(128 << 20),
+                                   "--ddr-bytes", str(64 << 20)]).start()
+        start_seconds = time.perf_counter() - t0
+        try:
+            with Client([server.address], timeout=30) as client:
+                for start in range(0, ROWS, 50_000):  # warm-up: every row in memory, as in the phases
+                    client.lookup("t", keys[start:start + 50_000])
+                _lookups(client, 20, rng)
+                for label in ("steady", "applying deltas"):
+                    before = _metrics(server)
+                    exporter = _Exporter(export, int(before["embcache_serving_version"]))
+                    if label == "applying deltas":
+                        exporter.start()
+                    print(f"{label}: {n} lookups ...", flush=True)
+                    t0 = time.perf_counter()
+                    times = _lookups(client, n, rng)
+                    wall = time.perf_counter() - t0
+                    if exporter.is_alive():
+                        exporter.stop.set()
+                        exporter.join()
+                    after = _metrics(server)
+                    applied = after["embcache_serving_versions_applied_total"] - before[
+                        "embcache_serving_versions_applied_total"]
+                    stall = after["embcache_serving_switch_seconds_total"] - before[
+                        "embcache_serving_switch_seconds_total"]
+                    phases[label] = {"p50_ms": _pct(times, 50), "p99_ms": _pct(times, 99),
+                                     "max_ms": max(times) * 1e3, "seconds": wall,
+                                     "versions_written": len(exporter.write_seconds),
+                                     "versions_applied": int(applied),
+                                     "switch_ms_mean": 1e3 * stall / applied if applied else 0.0,
+                                     "export_write_ms_mean": 1e3 * float(np.mean(exporter.write_seconds))
+                                     if exporter.write_seconds else 0.0}
+                assert after["embcache_serving_errors_total"] == 0
+        finally:
+            server.stop()
+    steady, loaded = phases["steady"], phases["applying deltas"]
+    ratio = loaded["p99_ms"] / steady["p99_ms"] if steady["p99_ms"] else float("nan")
+    summary = [{"case": f"serving lookup p99 while applying a delta every {EVERY:g} s ({loaded['p99_ms']:.1f} ms, "
+                        f"{loaded['versions_applied']} versions, {loaded['switch_ms_mean']:.1f} ms per switch)",
+                "reference": f"serving lookup p99, no new version ({steady['p99_ms']:.1f} ms)", "ratio": ratio,
+                "target": TARGET, "met": bool(ratio <= TARGET and loaded["versions_applied"] > 0),
+                "lower_is_better": True}]
+    rows = [[label, f"{ph['p50_ms']:.2f}", f"{ph['p99_ms']:.2f}", f"{ph['max_ms']:.2f}", ph["versions_applied"],
+             f"{ph['switch_ms_mean']:.1f}" if ph["versions_applied"] else "", f"{ph['export_write_ms_mean']:.1f}"
+             if ph["versions_written"] else ""] for label, ph in phases.items()]
+    table = markdown_table(["phase", "lookup p50 ms", "lookup p99 ms", "max ms", "versions applied",
+                            "switch ms (lookups held)", "delta write ms (exporter)"], rows)
+    doc = {"benchmark": "serving lookup latency while following an export", "command": info["command"],
+           "machine": info, "dim": DIM, "rows": ROWS, "batch": BATCH, "delta_rows": DELTA_ROWS,
+           "delta_deleted": DELTA_DELETED, "every_seconds": EVERY, "lookups": n,
+           "server_start_seconds": start_seconds, "phases": phases, "summary": summary,
+           "seconds": time.perf_counter() - t_start}
+    write_json(stem + ".json", doc)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Serving lookups while versions switch\n\n`{info['command']}` — {n} lookups of {BATCH:,} uniform "
+                f"keys per phase, one at a time, from a server serving an export of {ROWS:,} rows (dim {DIM}, every "
+                f"row in memory); while applying, a delta of {DELTA_ROWS:,} changed rows and {DELTA_DELETED} deleted "
+                f"keys is exported every {EVERY:g} s and applied by the server's follow thread (polling every "
+                f"0.05 s). Server start (loading version 1): {start_seconds:.1f} s.\n\n{table}\n")
+    _plot(phases, stem + ".png")
+    print(table)
+    print(f"wrote {stem}.json/.md/.png ({time.perf_counter() - t_start:.0f} s)")
+    return 0
+
+
+def _plot(phases: dict[str, dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(phases)
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(x - 0.2, [phases[k]["p50_ms"] for k in labels], 0.4, label="p50")
+    ax.bar(x + 0.2, [phases[k]["p99_ms"] for k in labels], 0.4, label="p99")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("lookup latency, ms")
+    ax.set_title("Serving lookups while the server follows an export")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

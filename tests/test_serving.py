@@ -1,0 +1,397 @@
+"""Serving mode (``embcache-server --serve DIR [--follow]``): a real server process over 127.0.0.1
+serves an export read-only, follows its new versions atomically, and refuses every write.
+
+The trainer here is a reference model (a torch weight matrix per table, trained with SGD) that
+writes its versions with :func:`embcache.export.write_version`: a full version, then deltas of the
+rows it changed and the keys it deleted. Its one export call is :meth:`Trainer.export`; a trainer
+running an EmbeddingCache would call the cache's delta export there instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from embcache import CacheConfig, EmbeddingCache, TableConfig
+from embcache.client import Client
+from embcache.errors import ConfigError, ReadOnlyError
+from embcache.export import TablePart, write_version
+from embcache.rpc.errors import ERROR_TYPE_KEY
+from embcache.rpc.v1 import embcache_pb2 as pb
+from embcache.server.auth import ROLES
+from embcache.server.handlers import SERVICE_NAME
+from embcache.server.local import LocalServer
+from embcache.server.main import load_settings
+from embcache.tier import resident_row_bytes
+
+START_TIMEOUT = 300  # seconds: server start-up (imports) on a loaded 2-core machine
+SMALL = ["--hbm-bytes", "4000", "--ddr-bytes", "8000"]  # a few dozen rows in memory: the rest in the store
+FOLLOW = ["--follow", "--follow-interval-seconds", "0.05"]
+TABLES = {"user": (4, "float32"), "item": (3, "float16")}
+
+
+class Trainer:
+    """A reference model: per table a weight matrix over a fixed key space, trained with SGD; some
+    keys are deleted on the way. :meth:`export` writes version 1 in full, then deltas."""
+
+    def __init__(self, directory: Path, n_keys: int = 300, seed: int = 0) -> None:
+        self.directory = str(directory)
+        self.g = torch.Generator().manual_seed(seed)
+        self.keys = {t: torch.arange(n_keys, dtype=torch.int64) * 7 + 3 for t in TABLES}
+        self.weights = {t: torch.randn(n_keys, dim, generator=self.g).to(getattr(torch, dtype))
+                        for t, (dim, dtype) in TABLES.items()}
+        self.alive = {t: torch.ones(n_keys, dtype=torch.bool) for t in TABLES}
+        self.changed = {t: torch.ones(n_keys, dtype=torch.bool) for t in TABLES}
+        self.gone = {t: torch.zeros(n_keys, dtype=torch.bool) for t in TABLES}
+        self.version = 0
+
+    def step(self, batch: int = 40, lr: float = 0.5) -> None:
+        """One SGD step on a random batch of each table; a few keys are deleted."""
+        for t, w in self.weights.items():
+            idx = torch.randperm(w.shape[0], generator=self.g)[:batch]
+            idx = idx[self.alive[t][idx]]
+            grads = torch.randn(idx.numel(), w.shape[1], generator=self.g)
+            w[idx] = (w[idx].float() - lr * grads).to(w.dtype)
+            self.changed[t][idx] = True
+            dead = idx[:3]
+            self.alive[t][dead] = False
+            self.changed[t][dead] = False
+            self.gone[t][dead] = True
+
+    def export(self) -> int:
+        """Write the next version (full first, then a delta); its number."""
+        self.version += 1
+        kind = "full" if self.version == 1 else "delta"
+        parts = {}
+        for t, (dim, dtype) in TABLES.items():
+            rows = self.changed[t] & self.alive[t]
+            parts[t] = TablePart(config=TableConfig(name=t, dim=dim, dtype=dtype).to_dict(),
+                                 keys=self.keys[t][rows].numpy(), weights=self.weights[t][rows],
+                                 deleted=self.keys[t][self.gone[t]].numpy())
+            self.changed[t][:] = False
+            self.gone[t][:] = False
+        write_version(self.directory, self.version, kind, parts,
+                      base_version=self.version - 1 if kind == "delta" else None)
+        return self.version
+
+    def expected(self, table: str) -> torch.Tensor:
+        """Every key's row as served: its weights (float32), zeros for a deleted key."""
+        return torch.where(self.alive[table][:, None], self.weights[table].float(), 0.0)
+
+
+def _serve(tmp_path: Path, directory: Path, *args: str) -> LocalServer:
+    return LocalServer(tmp_path / "store", args=["--serve", str(directory), *SMALL, *args], metrics=True,
+                       workdir=tmp_path / "run", start_timeout=START_TIMEOUT).start()
+
+
+def _metric(server: LocalServer, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def _wait_version(client: Client, version: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (served := client.server_info()[0]["serving_version"]) != version:
+        assert served < version, f"server jumped to version {served}, expected {version}"
+        assert time.monotonic() < deadline, f"server still serves version {served}, not {version}"
+        time.sleep(0.02)
+
+
+def _assert_serves(client: Client, trainer: Trainer) -> None:
+    rows = client.lookup_many({t: trainer.keys[t] for t in TABLES})
+    for t in TABLES:
+        assert torch.equal(rows[t], trainer.expected(t)), t
+
+
+@pytest.fixture
+def client_of() -> Iterator[Callable[[LocalServer], Client]]:
+    made: list[tuple[LocalServer, Client]] = []
+
+    def connect(server: LocalServer) -> Client:
+        client = Client([server.address], timeout=30)
+        made.append((server, client))
+        return client
+
+    yield connect
+    for server, client in made:
+        client.close()
+        server.stop()
+
+
+def test_serves_a_full_version_exactly_and_refuses_every_write(tmp_path: Path,
+                                                               client_of: Callable[[LocalServer], Client]) -> None:
+    trainer = Trainer(tmp_path / "export")
+    trainer.export()
+    stale = tmp_path / "store" / "serving-stale"  # left by a serving process that was killed
+    stale.mkdir(parents=True)
+    (stale / "embcache.lock").write_text("123")
+    server = _serve(tmp_path, tmp_path / "export")
+    assert not stale.exists() and len(list((tmp_path / "store").glob("serving-*"))) == 1
+    client = client_of(server)
+    assert {n: (c.dim, c.dtype, c.optimizer) for n, c in client.tables().items()} == {
+        "user": (4, "float32", "sgd"), "item": (3, "float16", "sgd")}
+    info = client.server_info()[0]
+    assert (info["serving_version"], info["serving_directory"]) == (1, str(tmp_path / "export"))
+    _assert_serves(client, trainer)
+    _assert_serves(client, trainer)  # again, from the tiers this time
+
+    # unknown keys: the default row (zeros), no row created in memory or in the store
+    before = client.stats()
+    unknown = torch.arange(10_000, 10_500, dtype=torch.int64)
+    assert torch.equal(client.lookup("user", unknown), torch.zeros(500, 4))
+    after = client.stats()["user"]
+    assert after["ssd"]["created_rows"] == 0 and after["ssd"]["writes"] == before["user"]["ssd"]["writes"]
+    assert after["admission"]["unadmitted_lookups"] == 500
+    for tier in ("hbm", "ddr"):
+        assert not np.isin(client.resident_keys("user", tier).numpy(), unknown.numpy()).any()
+    assert after["serving"]["version"] == 1 and after["serving"]["applied_versions"] == 1
+    # weights only: a row costs its weights in the store and no optimizer state in memory
+    for tier in ("hbm", "ddr"):
+        assert after[tier]["capacity_bytes"] == after[tier]["capacity_rows"] * resident_row_bytes(4, torch.float32, 0)
+
+    # every write call, raw: FAILED_PRECONDITION, ReadOnlyError, naming the version served
+    channel = grpc.insecure_channel(server.address)
+    service = pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"]
+    writes = [m for m in service.methods if ROLES[m.name] == "write"]
+    assert {m.name for m in writes} >= {"ApplyGradients", "Assign", "CreateTable", "ImportRows", "SetShardMap",
+                                        "BeginPass", "Prefetch", "Flush", "Checkpoint", "CommitShardMap"}
+    for m in writes:
+        request = getattr(pb, m.input_type.name)()
+        call = {(False, False): channel.unary_unary, (True, False): channel.stream_unary,
+                (False, True): channel.unary_stream, (True, True): channel.stream_stream}[
+            (m.client_streaming, m.server_streaming)](f"/{SERVICE_NAME}/{m.name}",
+                                                      request_serializer=type(request).SerializeToString,
+                                                      response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            reply = call(iter([request]) if m.client_streaming else request, timeout=30)
+            if m.server_streaming:
+                list(reply)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, m.name
+        assert dict(err.value.trailing_metadata())[ERROR_TYPE_KEY] == "ReadOnlyError", m.name
+        assert "serves version 1" in (err.value.details() or ""), m.name
+    channel.close()
+    with pytest.raises(ReadOnlyError, match="serves version 1"):
+        client.apply_gradients("user", trainer.keys["user"][:5], torch.ones(5, 4))
+    with pytest.raises(ReadOnlyError):
+        client.assign("user", trainer.keys["user"][:5], torch.ones(5, 4))
+    with pytest.raises(ReadOnlyError):
+        client.create_table(TableConfig(name="new", dim=2))
+    _assert_serves(client, trainer)  # nothing changed
+    assert _metric(server, "embcache_serving_version") == 1
+    assert _metric(server, "embcache_serving_versions_applied_total") == 1
+    assert _metric(server, "embcache_serving_errors_total") == 0
+    assert 0 <= _metric(server, "embcache_serving_version_age_seconds") < 600
+    client.close()
+    assert server.stop() == 0
+    assert not list((tmp_path / "store").glob("serving-*"))  # a clean stop removes its store
+
+
+def test_follows_each_version_and_waits_for_half_written_ones(tmp_path: Path,
+                                                              client_of: Callable[[LocalServer], Client]) -> None:
+    export = tmp_path / "export"
+    trainer = Trainer(export)
+    trainer.export()
+    server = _serve(tmp_path, export, *FOLLOW)
+    client = client_of(server)
+    _assert_serves(client, trainer)
+    for _ in range(4):  # after each version the server returns exactly that version's weights
+        trainer.step()
+        _wait_version(client, trainer.export())
+        _assert_serves(client, trainer)
+    assert trainer.version == 5 and _metric(server, "embcache_serving_versions_applied_total") == 5
+
+    # a version copied half-way: its files without the manifest, then a truncated file: ignored
+    staging = tmp_path / "staging"
+    trainer.directory = str(staging)
+    trainer.step()
+    trainer.export()  # version 6, written elsewhere
+    src, dst = staging / "v00000006", export / "v00000006"
+    dst.mkdir()
+    for f in sorted(os.listdir(src)):
+        if f != "manifest.json":
+            shutil.copy(src / f, dst / f)
+    time.sleep(0.5)  # ten polls
+    assert client.server_info()[0]["serving_version"] == 5
+    shutil.copy(src / "manifest.json", dst / "manifest.json")
+    (dst / "t0000.npz").write_bytes((src / "t0000.npz").read_bytes()[:100])
+    time.sleep(0.5)
+    assert client.server_info()[0]["serving_version"] == 5
+    assert _metric(server, "embcache_serving_errors_total") == 0
+    shutil.copy(src / "t0000.npz", dst / "t0000.npz")  # complete now
+    _wait_version(client, 6)
+    _assert_serves(client, trainer)
+
+    # a foreign manifest: logged and counted, version 6 served on; a new full version starts a new chain
+    (export / "v00000007").mkdir()
+    (export / "v00000007" / "manifest.json").write_text('{"format": "something-else"}')
+    deadline = time.monotonic() + 30
+    while _metric(server, "embcache_serving_errors_total") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.server_info()[0]["serving_version"] == 6
+    _assert_serves(client, trainer)
+    trainer.directory, trainer.version = str(export), 7
+    trainer.step()
+    for t in TABLES:
+        trainer.alive[t][torch.nonzero(trainer.alive[t]).flatten()[:5]] = False  # dropped, not listed as deleted:
+        # a full version replaces all
+    full = {t: TablePart(config=TableConfig(name=t, dim=d, dtype=dt).to_dict(),
+                         keys=trainer.keys[t][trainer.alive[t]].numpy(), weights=trainer.weights[t][trainer.alive[t]])
+            for t, (d, dt) in TABLES.items()}
+    write_version(str(export), 8, "full", full)
+    _wait_version(client, 8)
+    _assert_serves(client, trainer)
+    assert _metric(server, "embcache_serving_errors_total") == 1
+    assert client.stats()["user"]["serving"]["version"] == 8
+
+
+def test_a_lookup_sees_one_version_while_versions_switch(tmp_path: Path,
+                                                         client_of: Callable[[LocalServer], Client]) -> None:
+    """Each version sets every row of tables "a" and "c" to its number; between them each lookup reads
+    table "b", large enough to take several chunks (the server looks it up 65,536 keys at a time),
+    so versions switch while lookups are half done: one answering "a" and "c" from two versions
+    would show two numbers."""
+    export = tmp_path / "export"
+    small, big = np.arange(2000, dtype=np.int64), np.arange(100_000, dtype=np.int64)
+
+    def write(v: int) -> None:
+        parts = {t: TablePart(config=TableConfig(name=t, dim=4).to_dict(), keys=small,
+                              weights=np.full((small.size, 4), float(v), dtype=np.float32)) for t in ("a", "c")}
+        if v == 1:
+            parts["b"] = TablePart(config=TableConfig(name="b", dim=4).to_dict(), keys=big,
+                                   weights=np.ones((big.size, 4), dtype=np.float32))
+        write_version(str(export), v, "full" if v == 1 else "delta", parts, base_version=None if v == 1 else v - 1)
+
+    write(1)
+    server = _serve(tmp_path, export, *FOLLOW)
+    client = client_of(server)
+    seen: list[tuple[set[float], set[float]]] = []
+    stop = threading.Event()
+
+    def look() -> None:
+        with Client([server.address], timeout=30) as own:
+            while not stop.is_set():
+                rows = own.lookup_many({"a": small, "b": big, "c": small})
+                seen.append((set(rows["a"].unique().tolist()), set(rows["c"].unique().tolist())))
+
+    readers = [threading.Thread(target=look) for _ in range(2)]
+    for r in readers:
+        r.start()
+    try:
+        for v in range(2, 8):
+            write(v)
+            _wait_version(client, v)
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for r in readers:
+            r.join()
+    mixed = [s for s in seen if len(s[0]) != 1 or s[0] != s[1]]
+    assert not mixed, mixed
+    assert len({next(iter(a)) for a, _ in seen}) >= 3  # the lookups did run across switches
+
+
+def test_engine_lookups_create_no_rows_and_refresh_keeps_rows_resident(tmp_path: Path) -> None:
+    """CacheConfig.lookups_create_rows=False and import_rows(refresh=True), in process."""
+    cfgs = [TableConfig(name="z", dim=4, unadmitted="zeros"), TableConfig(name="i", dim=4, seed=5)]
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "s"), hbm_bytes=4000, ddr_bytes=4000,
+                                    lookups_create_rows=False), cfgs) as cache:
+        stored = torch.arange(10, dtype=torch.int64)
+        rows = torch.randn(10, 4)
+        for t in ("z", "i"):
+            cache.import_rows(t, stored, rows.numpy().view(np.uint8))
+        assert torch.equal(cache.lookup("z", stored), rows)
+        unknown = torch.arange(100, 110)
+        assert torch.equal(cache.lookup("z", unknown), torch.zeros(10, 4))
+        with EmbeddingCache(CacheConfig(path=str(tmp_path / "ref"), hbm_bytes=4000, ddr_bytes=4000),
+                            [TableConfig(name="i", dim=4, seed=5)]) as ref:
+            assert torch.equal(cache.lookup("i", unknown), ref.lookup("i", unknown))  # the initializer's rows
+        stats = cache.stats()
+        assert stats["z"]["ssd"]["created_rows"] == stats["i"]["ssd"]["created_rows"] == 0
+        assert not np.isin(cache.resident_keys("z", "hbm").numpy(), unknown.numpy()).any()
+        assert np.isin(stored.numpy(), cache.resident_keys("z", "hbm").numpy()).all()
+        cache.import_rows("z", stored[:4], (rows[:4] + 1).numpy().view(np.uint8), refresh=True)
+        assert np.isin(stored.numpy(), cache.resident_keys("z", "hbm").numpy()).all()  # still resident
+        assert torch.equal(cache.lookup("z", stored[:4]), rows[:4] + 1)
+        cache.flush()
+        assert cache.stats()["z"]["ssd"]["write_rows"] == 0  # refreshed rows are clean: nothing written back
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--follow"], "--follow needs --serve"),
+    (["--serve", "x", "--table", "name=t,dim=4"], "takes its tables from the export"),
+    (["--serve", "x", "--sync"], "read-only"),
+    (["--serve", "x", "--follow", "--follow-interval-seconds", "0"], "follow_interval_seconds"),
+])
+def test_bad_serving_settings_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(argv)
+
+
+def test_serving_a_missing_or_empty_directory_fails_clearly(tmp_path: Path) -> None:
+    from embcache.server.serve import start_server
+    from embcache.server.settings import ServerSettings
+
+    with pytest.raises(ConfigError, match="no such directory"):
+        start_server(ServerSettings(serve=str(tmp_path / "missing"), cache={"path": str(tmp_path / "store")}))
+    (tmp_path / "empty").mkdir()
+    done = subprocess.run([sys.executable, "-m", "embcache.server", "--serve", str(tmp_path / "empty"), "--path",
+                           str(tmp_path / "store"), "--metrics-port", "-1", "--listen", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=START_TIMEOUT,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 2 and "no complete version" in done.stderr, done.stderr
+    assert not any(p.name.startswith("serving-") for p in tmp_path.glob("store/*"))
+
+
+def test_serving_settings_come_from_the_config_file_and_flags_override_them(tmp_path: Path) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text('[serving]\ndirectory = "exports"\nfollow = true\nfollow_interval_seconds = 0.5\n'
+                      'unknown_rows = "init"\n')
+    s, _ = load_settings(["--config", str(config)])
+    assert (s.serve, s.follow, s.follow_interval_seconds, s.unknown_rows) == ("exports", True, 0.5, "init")
+    s, _ = load_settings(["--config", str(config), "--serve", "other", "--unknown-rows", "zeros"])
+    assert (s.serve, s.unknown_rows) == ("other", "zeros")
+    config.write_text('[serving]\ndirectory = "exports"\nunknown_rows = "random"\n')
+    with pytest.raises(ConfigError, match="unknown_rows"):
+        load_settings(["--config", str(config)])
+    config.write_text('[serving]\npath = "exports"\n')
+    with pytest.raises(ConfigError, match=r"unknown \[serving\] keys"):
+        load_settings(["--config", str(config)])
+
+
+def test_a_missing_version_is_reported_once_and_applied_when_it_appears(tmp_path: Path) -> None:
+    """In process (no server): the follow loop's order of versions, and its error count."""
+    from embcache.server.serving import ServedModel, serving_tables
+
+    export = str(tmp_path / "export")
+    cfg = TableConfig(name="t", dim=2).to_dict()
+
+    def part(v: float) -> dict[str, TablePart]:
+        return {"t": TablePart(cfg, np.arange(4), np.full((4, 2), v, dtype=np.float32))}
+
+    write_version(export, 1, "full", part(1.0))
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "s"), hbm_bytes=4000, ddr_bytes=4000,
+                                    lookups_create_rows=False), serving_tables(export)) as cache:
+        model = ServedModel(export, cache)
+        assert model.load() == 1
+        write_version(export, 3, "delta", part(3.0), base_version=2)  # version 2 not there (yet)
+        assert model.poll() == 0 and model.poll() == 0
+        assert (model.version, model.errors) == (1, 1)
+        assert torch.equal(cache.lookup("t", torch.arange(4)), torch.ones(4, 2))
+        write_version(export, 2, "delta", part(2.0), base_version=1)
+        assert model.poll() == 2 and (model.version, model.errors) == (3, 1)
+        assert torch.equal(cache.lookup("t", torch.arange(4)), torch.full((4, 2), 3.0))
