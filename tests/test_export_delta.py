@@ -235,3 +235,42 @@ def test_no_marks_are_written_before_the_first_export(make_cache: Any) -> None:
     cache.flush()
     store = cache._store
     assert store is not None and marks_table("t") not in store.tables()
+
+
+def test_cli_export_and_import_round_trip(make_cache: Any, tmp_path: Path, store: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from embcache.cli import main
+
+    cache = make_cache(tables=TABLES, path=str(tmp_path / "src"))
+    keys = np.arange(0, 60, dtype=np.int64)
+    _train(cache, "t", keys, 1.0)
+    _train(cache, "u", keys[:20], 1.0)
+    want_t, want_u = _rows(cache, "t", keys), _rows(cache, "u", keys[:20])
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "e")]) == 1  # the trainer holds it
+    assert "held by another process" in capsys.readouterr().err
+    cache.checkpoint(tmp_path / "ckpt")
+    cache.close()
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "e"), "--table", "t"]) == 0  # a checkpoint
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "e"), "--with-state"]) == 0  # a closed path
+    assert "wrote version 2 (full)" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "e"), "--table", "nope"]) == 1
+    assert "no table 'nope'" in capsys.readouterr().err
+    _, model = load_model(str(tmp_path / "e"), 1)
+    assert list(model) == ["t"]
+
+    assert main(["import", str(tmp_path / "e"), str(tmp_path / "dst"), "--store", store]) == 0
+    assert "imported 80 rows" in capsys.readouterr().out
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "dst"), store=store, device="cpu")) as back:
+        assert back.tables() == {c.name: c for c in TABLES}
+        assert torch.equal(_rows(back, "t", keys), want_t)
+        assert torch.equal(_rows(back, "u", keys[:20]), want_u)
+        back.lookup("t", torch.from_numpy(keys))  # the state came along: the same step gives the same rows
+        back.apply_gradients("t", torch.from_numpy(keys), torch.ones(60, 8))
+        after = back.lookup("t", torch.from_numpy(keys))
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "src"), store=store, device="cpu")) as again:
+        again.lookup("t", torch.from_numpy(keys))
+        again.apply_gradients("t", torch.from_numpy(keys), torch.ones(60, 8))
+        assert torch.equal(again.lookup("t", torch.from_numpy(keys)), after)
+    (tmp_path / "x").mkdir()
+    assert main(["export", str(tmp_path / "x"), str(tmp_path / "e")]) == 1
+    assert "holds no embcache store" in capsys.readouterr().err

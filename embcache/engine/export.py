@@ -36,7 +36,7 @@ from ..stores import Store
 from .rows import RecordCodec
 from .table import STAGE_CHUNK, TableEngine
 
-__all__ = ["ExportResult", "Prepared", "collect", "commit", "decode_part", "export_tables", "import_records",
+__all__ = ["ExportResult", "PartBuilder", "Prepared", "collect", "commit", "export_tables", "import_records",
            "new_chain", "plan_kind", "prepare"]
 
 
@@ -92,46 +92,57 @@ def prepare(t: TableEngine, full: bool) -> Prepared:
     return Prepared(t.cfg.name, full, epoch, int(t.clock.now))
 
 
-def decode_part(codec: RecordCodec, keys: np.ndarray, records: np.ndarray, with_state: bool
-                ) -> tuple[np.ndarray, torch.Tensor, np.ndarray | None]:
-    """Keys, weights (storage dtype) and, with ``with_state``, float32 state of store records."""
-    weights, state = codec.decode(np.ascontiguousarray(records))
-    return keys, weights, state.numpy() if with_state else None
+class PartBuilder:
+    """One table's rows of a version, gathered batch by batch from store records."""
+
+    def __init__(self, codec: RecordCodec, with_state: bool) -> None:
+        self.codec = codec
+        self.with_state = with_state
+        self.keys: list[np.ndarray] = []
+        self.weights: list[torch.Tensor] = []
+        self.states: list[np.ndarray] = []
+        self.deleted: list[np.ndarray] = []
+
+    def add(self, keys: np.ndarray, records: np.ndarray) -> None:
+        """Rows of ``keys`` from their store records (decoded as one batch)."""
+        weights, state = self.codec.decode(np.ascontiguousarray(records))
+        self.keys.append(np.asarray(keys, dtype=np.int64))
+        self.weights.append(weights)
+        if self.with_state:
+            self.states.append(state.numpy())
+
+    def add_deleted(self, keys: np.ndarray) -> None:
+        """Keys the version lists as deleted."""
+        self.deleted.append(np.asarray(keys, dtype=np.int64))
+
+    def part(self) -> TablePart:
+        """The gathered rows as a :class:`TablePart`."""
+        cfg, width = self.codec.cfg, self.codec.state_width
+        empty = np.empty(0, dtype=np.int64)
+        return TablePart(
+            config=cfg.to_dict(),
+            keys=np.concatenate(self.keys) if self.keys else empty,
+            weights=torch.cat(self.weights) if self.weights else torch.empty(0, cfg.dim, dtype=cfg.torch_dtype),
+            deleted=np.concatenate(self.deleted) if self.deleted else empty,
+            state=(np.concatenate(self.states) if self.states else np.empty((0, width), dtype=np.float32))
+            if self.with_state else None)
 
 
 def collect(t: TableEngine, p: Prepared, with_state: bool, batch_rows: int = STAGE_CHUNK) -> TablePart:
     """Step 2 (without the lock): the table's rows of this export as a :class:`TablePart`."""
     rows = t.rows
-    keys: list[np.ndarray] = []
-    weights: list[torch.Tensor] = []
-    states: list[np.ndarray] = []
-    deleted: list[np.ndarray] = []
-
-    def take(k: np.ndarray, rec: np.ndarray) -> None:
-        k, w, s = decode_part(t.codec, k, rec, with_state)
-        keys.append(k)
-        weights.append(w)
-        if s is not None:
-            states.append(s)
-
+    out = PartBuilder(t.codec, with_state)
     if p.full:
-        for k, rec in rows.store.scan(rows.table, batch_rows):
-            take(k, rec)
+        for keys, records in rows.store.scan(rows.table, batch_rows):
+            out.add(keys, records)
     else:
         for marked in rows.changes.scan(batch_rows):
-            found, rec = rows.store.get_many(rows.table, marked)
+            found, records = rows.store.get_many(rows.table, marked)
             found = np.asarray(found, dtype=bool)
             if found.any():
-                take(marked[found], np.asarray(rec)[found])
-            deleted.append(marked[~found])
-    cfg = t.cfg
-    return TablePart(
-        config=cfg.to_dict(),
-        keys=np.concatenate(keys) if keys else np.empty(0, dtype=np.int64),
-        weights=torch.cat(weights) if weights else torch.empty(0, cfg.dim, dtype=cfg.torch_dtype),
-        deleted=np.concatenate(deleted) if deleted else np.empty(0, dtype=np.int64),
-        state=(np.concatenate(states) if states else np.empty((0, t.state_width), dtype=np.float32))
-        if with_state else None)
+                out.add(marked[found], np.asarray(records)[found])
+            out.add_deleted(marked[~found])
+    return out.part()
 
 
 def commit(t: TableEngine, p: Prepared, chain: str, version: int, batch_rows: int = STAGE_CHUNK) -> int:
