@@ -624,6 +624,25 @@ class EmbeddingCache:
             assert self._store is not None
             return export.export_tables(engines, self._store, path, with_state=with_state, force_full=full)
 
+    def begin_export(self, chain: str, base_version: int, *, tables: Sequence[str] | None = None,
+                     full: bool = False) -> export.PendingExport:
+        """The first half of :meth:`export_delta`, for a writer elsewhere (the parameter server's
+        client writes one version of the whole fleet): dirty rows written back, the epoch closed.
+
+        The export is a delta when every table's last committed export was version
+        ``base_version`` of ``chain`` (``full`` off), else full. Read its rows with
+        ``batches()``; once a version holding them is durable, ``commit(chain, version)`` drops
+        the marks it covered. An export never committed leaves the marks: the next one
+        includes its rows again.
+
+        Raises:
+            UnknownTableError, CacheClosedError, StoreError.
+        """
+        engines = self._engines(tables)
+        with self._export_lock:
+            assert self._store is not None
+            return export.begin(engines, self._store, chain, base_version, full)
+
     def import_version(self, directory: str | os.PathLike[str], version: int | None = None, *,
                        with_state: bool = True, tables: Sequence[str] | None = None) -> dict[str, int]:
         """Load the rows of an exported version (a full version with its deltas folded in) into this cache.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +30,15 @@ import numpy as np
 import torch
 
 from ..config import TableConfig
-from ..export.format import TablePart, latest_version, write_version
+from ..export.format import TablePart, Version, latest_version, write_version
 from ..optim import initial_state, state_width
 from ..stores import Store
 from .rows import RecordCodec
 from .table import STAGE_CHUNK, TableEngine
 
-__all__ = ["ExportResult", "PartBuilder", "Prepared", "collect", "commit", "export_tables", "import_records",
-           "new_chain", "plan_kind", "prepare"]
+__all__ = ["Batch", "ExportResult", "PartBuilder", "PendingExport", "Prepared", "batches", "begin", "collect",
+           "commit", "decode_batch", "export_tables", "import_records", "new_chain", "prepare", "result_of",
+           "write_parts"]
 
 
 @dataclass
@@ -68,23 +69,6 @@ def new_chain() -> str:
     return uuid.uuid4().hex
 
 
-def plan_kind(directory: str, engines: Sequence[TableEngine], force_full: bool = False
-              ) -> tuple[bool, str, int]:
-    """Whether the next export into ``directory`` can be a delta, the chain it continues, and the
-    number of the version it follows (0: none).
-
-    A delta needs every table's last committed export to be the directory's newest complete
-    version (same chain, same number); otherwise (first export, another directory, a version
-    lost, a table added) the export is full.
-    """
-    latest = latest_version(directory)
-    if latest is None:
-        return False, "", 0
-    chain = str(latest.covers.get("chain", ""))
-    delta = not force_full and all(t.rows.changes.follows(chain, latest.version) for t in engines)
-    return delta, chain, latest.version
-
-
 def prepare(t: TableEngine, full: bool) -> Prepared:
     """Step 1 (the caller holds ``t.lock``): write dirty rows back and close the epoch."""
     t.write_dirty()
@@ -93,32 +77,29 @@ def prepare(t: TableEngine, full: bool) -> Prepared:
 
 
 class PartBuilder:
-    """One table's rows of a version, gathered batch by batch from store records."""
+    """One table's rows of a version, gathered batch by batch."""
 
-    def __init__(self, codec: RecordCodec, with_state: bool) -> None:
-        self.codec = codec
+    def __init__(self, cfg: TableConfig, with_state: bool) -> None:
+        self.cfg = cfg
         self.with_state = with_state
         self.keys: list[np.ndarray] = []
         self.weights: list[torch.Tensor] = []
         self.states: list[np.ndarray] = []
         self.deleted: list[np.ndarray] = []
 
-    def add(self, keys: np.ndarray, records: np.ndarray) -> None:
-        """Rows of ``keys`` from their store records (decoded as one batch)."""
-        weights, state = self.codec.decode(np.ascontiguousarray(records))
+    def add(self, keys: np.ndarray, weights: torch.Tensor, state: np.ndarray | None, deleted: np.ndarray) -> None:
+        """Rows of ``keys`` (weights in the storage dtype, float32 state when exported) and deleted keys."""
         self.keys.append(np.asarray(keys, dtype=np.int64))
         self.weights.append(weights)
-        if self.with_state:
-            self.states.append(state.numpy())
-
-    def add_deleted(self, keys: np.ndarray) -> None:
-        """Keys the version lists as deleted."""
-        self.deleted.append(np.asarray(keys, dtype=np.int64))
+        if self.with_state and state is not None:
+            self.states.append(np.asarray(state, dtype=np.float32))
+        self.deleted.append(np.asarray(deleted, dtype=np.int64))
 
     def part(self) -> TablePart:
         """The gathered rows as a :class:`TablePart`."""
-        cfg, width = self.codec.cfg, self.codec.state_width
+        cfg = self.cfg
         empty = np.empty(0, dtype=np.int64)
+        width = state_width(cfg.optimizer, cfg.dim)
         return TablePart(
             config=cfg.to_dict(),
             keys=np.concatenate(self.keys) if self.keys else empty,
@@ -128,20 +109,36 @@ class PartBuilder:
             if self.with_state else None)
 
 
-def collect(t: TableEngine, p: Prepared, with_state: bool, batch_rows: int = STAGE_CHUNK) -> TablePart:
-    """Step 2 (without the lock): the table's rows of this export as a :class:`TablePart`."""
+Batch = tuple[np.ndarray, torch.Tensor, "np.ndarray | None", np.ndarray]  # keys, weights, state, deleted
+
+
+def decode_batch(codec: RecordCodec, keys: np.ndarray, records: np.ndarray, with_state: bool,
+                 deleted: np.ndarray | None = None) -> Batch:
+    """A batch of rows from their store records (state only ``with_state``)."""
+    weights, state = codec.decode(np.ascontiguousarray(records))
+    return (keys, weights, state.numpy() if with_state else None,
+            np.empty(0, dtype=np.int64) if deleted is None else deleted)
+
+
+def batches(t: TableEngine, p: Prepared, with_state: bool, batch_rows: int = STAGE_CHUNK) -> Iterator[Batch]:
+    """Step 2 (without the lock): the table's rows of this export, in batches of at most
+    ``batch_rows`` keys (changed rows and deleted keys together)."""
     rows = t.rows
-    out = PartBuilder(t.codec, with_state)
     if p.full:
         for keys, records in rows.store.scan(rows.table, batch_rows):
-            out.add(keys, records)
-    else:
-        for marked in rows.changes.scan(batch_rows):
-            found, records = rows.store.get_many(rows.table, marked)
-            found = np.asarray(found, dtype=bool)
-            if found.any():
-                out.add(marked[found], np.asarray(records)[found])
-            out.add_deleted(marked[~found])
+            yield decode_batch(t.codec, keys, records, with_state)
+        return
+    for marked in rows.changes.scan(batch_rows):
+        found, records = rows.store.get_many(rows.table, marked)
+        found = np.asarray(found, dtype=bool)
+        yield decode_batch(t.codec, marked[found], np.asarray(records)[found], with_state, marked[~found])
+
+
+def collect(t: TableEngine, p: Prepared, with_state: bool, batch_rows: int = STAGE_CHUNK) -> TablePart:
+    """Step 2 (without the lock): the table's rows of this export as a :class:`TablePart`."""
+    out = PartBuilder(t.cfg, with_state)
+    for batch in batches(t, p, with_state, batch_rows):
+        out.add(*batch)
     return out.part()
 
 
@@ -161,10 +158,56 @@ def commit(t: TableEngine, p: Prepared, chain: str, version: int, batch_rows: in
     return dropped
 
 
+class PendingExport:
+    """An export of some tables between :func:`begin` (step 1 done) and :meth:`commit`."""
+
+    def __init__(self, engines: Mapping[str, TableEngine], prepared: Mapping[str, Prepared], full: bool) -> None:
+        self.engines = dict(engines)
+        self.prepared = dict(prepared)
+        self.full = full
+
+    @property
+    def steps(self) -> dict[str, int]:
+        """Each table's clock when it was prepared (what the version covers)."""
+        return {n: p.step for n, p in self.prepared.items()}
+
+    def batches(self, with_state: bool, batch_rows: int = STAGE_CHUNK) -> Iterator[tuple[str, Batch]]:
+        """Step 2: ``(table, batch)`` for every table, in name order."""
+        for name in sorted(self.engines):
+            for batch in batches(self.engines[name], self.prepared[name], with_state, batch_rows):
+                yield name, batch
+
+    def parts(self, with_state: bool) -> dict[str, TablePart]:
+        """Step 2, gathered: every table's :class:`TablePart`."""
+        return {n: collect(self.engines[n], self.prepared[n], with_state) for n in sorted(self.engines)}
+
+    def commit(self, chain: str, version: int) -> int:
+        """Step 3: drop the covered marks of every table; how many."""
+        return sum(commit(self.engines[n], self.prepared[n], chain, version) for n in sorted(self.engines))
+
+
+def begin(engines: Mapping[str, TableEngine], store: Store, chain: str, base_version: int,
+          force_full: bool = False) -> PendingExport:
+    """Step 1 for every table: a delta when every table's last committed export was version
+    ``base_version`` of ``chain`` (and ``force_full`` is off), else a full export; the store is
+    flushed after, so what the version will hold is durable in the store first."""
+    names = sorted(engines)
+    full = force_full or not all(engines[n].rows.changes.follows(chain, base_version) for n in names)
+    prepared: dict[str, Prepared] = {}
+    for name in names:
+        t = engines[name]
+        with t.lock:
+            t.check_open()
+            prepared[name] = prepare(t, full)
+    store.flush()
+    return PendingExport(engines, prepared, full)
+
+
 def export_tables(engines: Mapping[str, TableEngine], store: Store, directory: str, *, with_state: bool,
                   force_full: bool = False) -> ExportResult:
     """Export ``engines`` into ``directory`` as its next version: a delta when it can be one
-    (:func:`plan_kind`), else a full version. The caller serializes exports of one cache.
+    (every table's last export was the directory's newest version), else a full version. The
+    caller serializes exports of one cache.
 
     Raises:
         ExportFormatError: the directory holds a version of another format.
@@ -172,26 +215,31 @@ def export_tables(engines: Mapping[str, TableEngine], store: Store, directory: s
             export includes every change of this one.
     """
     t0 = time.perf_counter()
-    names = sorted(engines)
-    delta, chain, base = plan_kind(directory, [engines[n] for n in names], force_full)
-    prepared: dict[str, Prepared] = {}
-    for name in names:
-        t = engines[name]
-        with t.lock:
-            t.check_open()
-            prepared[name] = prepare(t, full=not delta)
-    store.flush()  # what the version holds is durable in the store before the version is written
-    parts = {name: collect(engines[name], prepared[name], with_state) for name in names}
-    chain = chain if delta else new_chain()
-    covers: dict[str, Any] = {"chain": chain, "steps": {n: p.step for n, p in prepared.items()},
-                              "time": time.time()}
-    v = write_version(directory, base + 1, "delta" if delta else "full", parts,
-                      base_version=base if delta else None, covers=covers)
-    for name in names:
-        commit(engines[name], prepared[name], chain, v.version)
+    latest = latest_version(directory)
+    chain = str(latest.covers.get("chain", "")) if latest is not None else ""
+    base = latest.version if latest is not None else 0
+    pending = begin(engines, store, chain, base, force_full)
+    parts = pending.parts(with_state)
+    v = write_parts(directory, base, pending.full, chain, parts, {"steps": pending.steps})
+    pending.commit(str(v.covers["chain"]), v.version)
+    return result_of(v, parts, time.perf_counter() - t0)
+
+
+def write_parts(directory: str, base: int, full: bool, chain: str, parts: Mapping[str, TablePart],
+                covers: Mapping[str, Any]) -> Version:
+    """Write ``parts`` as version ``base + 1``: a delta on ``base`` continuing ``chain``, or a full
+    version starting a new chain."""
+    chain = new_chain() if full else chain
+    return write_version(directory, base + 1, "full" if full else "delta", parts,
+                         base_version=None if full else base,
+                         covers={"chain": chain, **covers, "time": time.time()})
+
+
+def result_of(v: Version, parts: Mapping[str, TablePart], seconds: float) -> ExportResult:
+    """The :class:`ExportResult` of a written version."""
     per = {n: {"rows": int(p.keys.shape[0]), "deleted": int(p.deleted.shape[0])} for n, p in parts.items()}
     return ExportResult(v.version, v.kind, v.path, sum(x["rows"] for x in per.values()),
-                        sum(x["deleted"] for x in per.values()), per, time.perf_counter() - t0)
+                        sum(x["deleted"] for x in per.values()), per, seconds)
 
 
 def import_records(cfg: TableConfig, weights: np.ndarray, state: np.ndarray | None) -> np.ndarray:

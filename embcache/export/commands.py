@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from ..config import CacheConfig, TableConfig
 from ..engine.durability import STORE_DIR, PathLock, read_manifest
-from ..engine.export import PartBuilder
+from ..engine.export import PartBuilder, decode_batch
 from ..engine.rows import META_TABLES, RecordCodec
 from ..errors import ConfigError, EmbcacheError, UnknownTableError
 from ..optim import state_width
@@ -47,9 +47,10 @@ def store_kind(store_dir: str) -> str | None:
 def _table_parts(store: Store, configs: Sequence[TableConfig], with_state: bool) -> dict[str, TablePart]:
     parts: dict[str, TablePart] = {}
     for cfg in configs:
-        out = PartBuilder(RecordCodec(cfg, state_width(cfg.optimizer, cfg.dim)), with_state)
+        codec = RecordCodec(cfg, state_width(cfg.optimizer, cfg.dim))
+        out = PartBuilder(cfg, with_state)
         for keys, records in store.scan(cfg.name):
-            out.add(keys, records)
+            out.add(*decode_batch(codec, keys, records, with_state))
         parts[cfg.name] = out.part()
     return parts
 
