@@ -274,3 +274,38 @@ def test_cli_export_and_import_round_trip(make_cache: Any, tmp_path: Path, store
     (tmp_path / "x").mkdir()
     assert main(["export", str(tmp_path / "x"), str(tmp_path / "e")]) == 1
     assert "holds no embcache store" in capsys.readouterr().err
+
+
+def test_marked_keys_answer_like_a_set() -> None:
+    from embcache.engine.changes import MarkedKeys
+
+    rng = np.random.default_rng(0)
+    marked, want = MarkedKeys(limit=5000), set()
+    for _ in range(200):
+        keys = rng.integers(-3000, 3000, size=int(rng.integers(0, 60))).astype(np.int64)
+        missing = marked.missing(keys)
+        assert missing.tolist() == [k not in want for k in keys.tolist()]
+        marked.add(keys[missing])
+        if marked.size == len(want | set(keys[missing].tolist())):
+            want |= set(keys[missing].tolist())
+        else:  # the limit was reached: nothing is remembered, so the keys are marked again later
+            assert marked.size == len(want)
+    assert len(marked.runs) <= 12  # runs merge: few binary searches per lookup
+    marked.clear()
+    assert marked.missing(np.array([1, 2], dtype=np.int64)).all()
+
+
+def test_a_key_rewritten_after_an_export_is_marked_again(make_cache: Any, tmp_path: Path) -> None:
+    cache = make_cache(hbm_rows=2, ddr_rows=2, tables=TABLES[:1])  # every step writes rows back
+    keys = np.arange(8, dtype=np.int64)
+    for _ in range(3):
+        _train(cache, "t", keys, 1.0)  # written back several times in one epoch: marked once
+    cache.export_delta(tmp_path / "e")
+    for _ in range(3):
+        _train(cache, "t", keys[:4], 1.0)
+    cache.export_delta(tmp_path / "e")
+    _train(cache, "t", keys[:2], 1.0)
+    r = cache.export_delta(tmp_path / "e")
+    assert (r.kind, r.tables["t"]["rows"]) == ("delta", 2)
+    keys_f, weights, _ = _folded(tmp_path / "e", "t")
+    assert torch.equal(weights, _rows(cache, "t", keys_f))

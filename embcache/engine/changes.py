@@ -27,9 +27,12 @@ import numpy as np
 
 from ..stores import Store
 
-__all__ = ["MARK_BYTES", "Changes", "ExportState", "export_meta", "marks_table"]
+__all__ = ["MARK_BYTES", "Changes", "ExportState", "MarkedKeys", "export_meta", "marks_table"]
 
 MARK_BYTES = 8  # one int64: the export epoch the key was written in
+# Keys remembered as marked in the current epoch, at most (8 bytes each: 128 MiB per table);
+# past it, writes mark every key again (correct, only slower).
+MARKED_KEYS_MAX = 1 << 24
 
 
 def marks_table(table: str) -> str:
@@ -40,6 +43,42 @@ def marks_table(table: str) -> str:
 def export_meta(table: str) -> str:
     """Metadata name of ``table``'s export state (:class:`ExportState` as JSON)."""
     return f"export/{table}"
+
+
+class MarkedKeys:
+    """The keys marked in the current epoch, kept in memory so that a row written back again and
+    again (a hot row, evicted and reloaded) is marked once per epoch, not at every write.
+
+    Sorted runs of geometrically growing sizes (a small log-structured set): a lookup is a
+    binary search per run, an insert merges runs of similar size, all vectorized.
+    """
+
+    def __init__(self, limit: int = MARKED_KEYS_MAX) -> None:
+        self.limit = limit
+        self.runs: list[np.ndarray] = []
+        self.size = 0
+
+    def clear(self) -> None:
+        """Forget every key (a new epoch begins: every key must be marked with it)."""
+        self.runs, self.size = [], 0
+
+    def missing(self, keys: np.ndarray) -> np.ndarray:
+        """Bool [n]: which of ``keys`` are not known as marked."""
+        found = np.zeros(keys.shape[0], dtype=bool)
+        for run in self.runs:
+            at = np.searchsorted(run, keys)
+            found |= run[np.minimum(at, run.shape[0] - 1)] == keys
+        return ~found
+
+    def add(self, keys: np.ndarray) -> None:
+        """Remember ``keys`` as marked (nothing once the limit is reached)."""
+        if self.size + keys.shape[0] > self.limit or keys.shape[0] == 0:
+            return
+        run = np.unique(keys)
+        while self.runs and self.runs[-1].shape[0] <= 2 * run.shape[0]:
+            run = np.union1d(self.runs.pop(), run)
+        self.runs.append(run)
+        self.size = sum(r.shape[0] for r in self.runs)
 
 
 @dataclass
@@ -60,6 +99,7 @@ class Changes:
         self.marks = marks_table(table)
         raw = store.get_meta(export_meta(table))
         self.state: ExportState | None = ExportState(**json.loads(raw)) if raw else None
+        self.marked = MarkedKeys()  # keys whose mark already carries the current epoch
         if self.state is not None:
             store.open_table(self.marks, MARK_BYTES)
 
@@ -73,8 +113,12 @@ class Changes:
         if self.state is None or len(keys) == 0:
             return
         keys = np.asarray(keys, dtype=np.int64)
+        keys = keys[self.marked.missing(keys)]
+        if keys.shape[0] == 0:
+            return
         epochs = np.full(keys.shape[0], self.state.epoch, dtype=np.int64)
         self.store.put_many(self.marks, keys, epochs.view(np.uint8).reshape(-1, MARK_BYTES))
+        self.marked.add(keys)  # after the write: a failed one is marked again next time
 
     def _save(self, state: ExportState) -> None:
         self.store.put_meta(export_meta(self.table), json.dumps(asdict(state)).encode())
@@ -91,6 +135,7 @@ class Changes:
         closed = state.epoch
         state.epoch += 1
         self._save(state)
+        self.marked.clear()  # from now on a write must mark its keys with the new epoch
         return closed
 
     def exported(self, chain: str, version: int) -> None:
