@@ -90,6 +90,8 @@ SUITE = (
           "without 64 stalled client streams"),
     Bench("reshard", "bench_reshard.py", "reshard", served=True, what="rows migrated/s while resharding 2 -> 3 -> "
           "2 shards; training steps/s during a migration vs before"),
+    Bench("export", "bench_export.py", "export", what="full and delta export rows/s, import rows/s, training "
+          "steps/s with change tracking on vs off"),
     Bench("index", "bench_index.py", "index", device=True, what="key -> slot find, erase, insert rates: numba, "
           "torch (CPU and CUDA), dict"),
     Bench("gpu", "bench_gpu.py", "gpu", device=True, what="HBM-tier lookup and update keys/s on CUDA vs "

@@ -112,7 +112,11 @@ class Client:
     ``EmbeddingCache.restore(shard_checkpoint, CacheConfig(path=...))`` on each shard's
     machine and start ``embcache-server --path`` there (a client cannot move a store); and
     ``export_rows``, ``import_rows`` and ``delete_rows``, with which a server moves rows between
-    shards while resharding: a fleet moves its rows with :meth:`reshard`.
+    shards while resharding: a fleet moves its rows with :meth:`reshard`; and ``begin_export``,
+    the shard's half of :meth:`export_delta` (which runs it on every shard); and
+    ``import_version``, because an exported version is loaded where a store lives: run
+    ``embcache import EXPORT_DIR STORE_DIR`` for a server's path before starting it (with
+    several shards, import into one and :meth:`reshard` onto the others).
     """
 
     def __init__(self, servers: str | Sequence[str] | Mapping[str, str], *, timeout: float = 60.0,
