@@ -113,6 +113,9 @@ def test_a_failed_version_write_leaves_no_version_and_keeps_the_marks(make_cache
         cache.export_delta(out)
     assert list_versions(str(out)) == [1]
     os.remove(out / f"v00000002.tmp-{os.getpid()}")
+    stale = out / "v00000002.tmp-999999999"  # what a writer killed half-way leaves: ignored
+    stale.mkdir()
+    (stale / "t0000.npz").write_bytes(b"half")
     _train(cache, "t", np.array([3], dtype=np.int64), 5.0)
     r = cache.export_delta(out)
     v = latest_version(str(out))
