@@ -29,12 +29,12 @@ TABLES = [TableConfig(name="t", dim=8, optimizer="adagrad", lr=0.1, seed=3),
 def _train(cache: EmbeddingCache, table: str, keys: np.ndarray, value: float) -> None:
     k = torch.from_numpy(keys)
     cache.lookup(table, k)
-    cache.apply_gradients(table, k, torch.full((k.numel(), cache.tables()[table].dim), value))
+    cache.apply_gradients(table, k, torch.full((k.numel(), cache.tables()[table].dim), value, device=cache.device))
 
 
 def _rows(cache: EmbeddingCache, table: str, keys: np.ndarray) -> torch.Tensor:
-    """The cache's rows of ``keys`` in the table's storage dtype (what an export holds)."""
-    return cache.lookup(table, torch.from_numpy(keys)).to(cache.tables()[table].torch_dtype)
+    """The cache's rows of ``keys`` (on the CPU) in the table's storage dtype (what an export holds)."""
+    return cache.lookup(table, torch.from_numpy(keys)).cpu().to(cache.tables()[table].torch_dtype)
 
 
 def _folded(directory: Path, table: str, with_state: bool = False) -> tuple[np.ndarray, torch.Tensor, Any]:
@@ -43,8 +43,9 @@ def _folded(directory: Path, table: str, with_state: bool = False) -> tuple[np.n
     return rows.keys, weights_tensor(rows.weights, rows.dtype), rows.state
 
 
-def test_changed_and_deleted_keys_land_in_the_next_delta_only(make_cache: Any, tmp_path: Path) -> None:
-    cache = make_cache(hbm_rows=4, ddr_rows=8, tables=TABLES)  # most rows live in the store
+def test_changed_and_deleted_keys_land_in_the_next_delta_only(device: str, make_cache: Any, tmp_path: Path) -> None:
+    # most rows live in the store; "fakecuda": the CUDA branches under the CPU stand-in (tests/fakecuda.py)
+    cache = make_cache(hbm_rows=4, ddr_rows=8, tables=TABLES, device=device)
     out = tmp_path / "exports"
     first = np.arange(0, 40, dtype=np.int64)
     _train(cache, "t", first, 1.0)
