@@ -21,6 +21,7 @@ from embcache.errors import CacheClosedError, TableConflictError, UnknownTableEr
 from embcache.export import ExportFormatError, from_tensor, latest_version, list_versions, load_model, read_table
 from embcache.export.format import weights_tensor
 
+SMALL = 1 << 16  # tier bytes of the caches a test opens by hand (the default sizes from RAM take long to allocate)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TABLES = [TableConfig(name="t", dim=8, optimizer="adagrad", lr=0.1, seed=3),
           TableConfig(name="u", dim=4, optimizer="sgd", lr=0.5, seed=4, dtype="float16")]
@@ -92,7 +93,8 @@ def test_with_state_exports_the_optimizer_state(make_cache: Any, tmp_path: Path)
     want[:3] += 9.0
     assert np.array_equal(state, want)
     # the next cache takes the state along: one more step there equals one more step here
-    other = EmbeddingCache(CacheConfig(path=str(tmp_path / "other"), store=cache.config.store, device="cpu"))
+    other = EmbeddingCache(CacheConfig(path=str(tmp_path / "other"), store=cache.config.store, device="cpu",
+                                       hbm_bytes=SMALL, ddr_bytes=SMALL))
     try:
         assert other.import_version(tmp_path / "e") == {"t": 10}
         for c in (cache, other):
@@ -145,7 +147,7 @@ def test_marks_and_state_travel_with_a_checkpoint_into_the_other_backend(make_ca
     cache.checkpoint(tmp_path / "ckpt")
     other = "lmdb" if store == "rocksdb" else "rocksdb"
     restored = EmbeddingCache.restore(tmp_path / "ckpt", CacheConfig(path=str(tmp_path / "r"), store=other,
-                                                                     device="cpu"))
+                                                                     hbm_bytes=SMALL, ddr_bytes=SMALL, device="cpu"))
     try:
         r = restored.export_delta(tmp_path / "e")
         v = latest_version(str(tmp_path / "e"))
@@ -202,7 +204,8 @@ def test_a_plain_embedding_bag_imports_with_identical_lookups(tmp_path: Path, st
     cfg = TableConfig(name="items", dim=8, optimizer="sgd", lr=0.1)
     ids = torch.arange(50) * 7 + 3  # the ids the rows stand for
     from_tensor(tmp_path / "e", cfg, ids, bag.weight)
-    with EmbeddingCache(CacheConfig(path=str(tmp_path / "c"), store=store, device="cpu", hbm_bytes=1000)) as cache:
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "c"), store=store, device="cpu", hbm_bytes=1000,
+                                        ddr_bytes=SMALL)) as cache:
         assert cache.import_version(tmp_path / "e") == {"items": 50}
         assert cache.tables()["items"] == cfg
         assert torch.equal(cache.lookup("items", ids), bag.weight.detach())
@@ -264,14 +267,16 @@ def test_cli_export_and_import_round_trip(make_cache: Any, tmp_path: Path, store
 
     assert main(["import", str(tmp_path / "e"), str(tmp_path / "dst"), "--store", store]) == 0
     assert "imported 80 rows" in capsys.readouterr().out
-    with EmbeddingCache(CacheConfig(path=str(tmp_path / "dst"), store=store, device="cpu")) as back:
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "dst"), store=store, device="cpu", hbm_bytes=SMALL,
+                                    ddr_bytes=SMALL)) as back:
         assert back.tables() == {c.name: c for c in TABLES}
         assert torch.equal(_rows(back, "t", keys), want_t)
         assert torch.equal(_rows(back, "u", keys[:20]), want_u)
         back.lookup("t", torch.from_numpy(keys))  # the state came along: the same step gives the same rows
         back.apply_gradients("t", torch.from_numpy(keys), torch.ones(60, 8))
         after = back.lookup("t", torch.from_numpy(keys))
-    with EmbeddingCache(CacheConfig(path=str(tmp_path / "src"), store=store, device="cpu")) as again:
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "src"), store=store, device="cpu", hbm_bytes=SMALL,
+                                    ddr_bytes=SMALL)) as again:
         again.lookup("t", torch.from_numpy(keys))
         again.apply_gradients("t", torch.from_numpy(keys), torch.ones(60, 8))
         assert torch.equal(again.lookup("t", torch.from_numpy(keys)), after)
