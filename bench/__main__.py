@@ -92,6 +92,8 @@ SUITE = (
           "2 shards; training steps/s during a migration vs before"),
     Bench("serving", "bench_serving.py", "serving", served=True, what="a serving server's lookup p50/p99 while it "
           "follows an export's delta versions, and the time each switch holds lookups off"),
+    Bench("export", "bench_export.py", "export", what="full and delta export rows/s, import rows/s, training "
+          "steps/s with change tracking on vs off"),
     Bench("index", "bench_index.py", "index", device=True, what="key -> slot find, erase, insert rates: numba, "
           "torch (CPU and CUDA), dict"),
     Bench("gpu", "bench_gpu.py", "gpu", device=True, what="HBM-tier lookup and update keys/s on CUDA vs "

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .config import CacheConfig, TableConfig
-from .engine import catalog, durability, update
+from .engine import catalog, durability, export, update
 from .engine.passes import Passes, all_locked
 from .engine.rows import ReaderPool
 from .engine.stats import table_report
@@ -48,8 +48,10 @@ from .errors import (
     InvalidGradientError,
     InvalidRowsError,
     PassStateError,
+    TableConflictError,
     UnknownTableError,
 )
+from .export.format import check_directory, load_model
 from .keyset import Keyset, as_keysets
 from .policy import make_policy
 from .prefetch import PrefetchFuture
@@ -104,6 +106,7 @@ class EmbeddingCache:
             self._device = config.torch_device
             self._policy = make_policy(config.policy, config.admission, config.idle_halving)
             self._readers = ReaderPool()  # store reads overlapped with placement
+            self._export_lock = threading.Lock()  # one export at a time (each closes an epoch)
             self._passes = Passes(self._tables, self._global_lock, self._device)
             configs = catalog.merged_definitions(self._store, list(tables))
             for cfg in configs:
@@ -584,6 +587,116 @@ class EmbeddingCache:
         with t.lock:
             t.check_open()
             t.delete(k)
+
+    # ------------------------------------------------------------------ exports
+    def _engines(self, tables: Sequence[str] | None) -> dict[str, TableEngine]:
+        check_open(self._closed)
+        names = sorted(self._tables) if tables is None else list(dict.fromkeys(tables))
+        return {name: self._table(name) for name in names}
+
+    def export_delta(self, directory: str | os.PathLike[str], *, with_state: bool = False,
+                     tables: Sequence[str] | None = None, full: bool = False) -> export.ExportResult:
+        """Write the rows changed and the keys deleted since the previous export as the next
+        version under ``directory`` (the open format of :mod:`embcache.export`).
+
+        The first export of a table (or one into a directory whose newest version is not this
+        cache's last export) writes a *full* version, every stored row; later ones write
+        *deltas*. Dirty resident rows are written back first (they stay resident). From the first
+        export on, every store write of a table is marked before it is made, so no change is
+        missed, not even across a crash and a restart; marks are dropped only once the version
+        holding them is durable. Training may go on meanwhile (writes made during the export
+        come again in the next one).
+
+        Args:
+            directory: the export directory (created if missing).
+            with_state: write each row's optimizer state too (default: weights only).
+            tables: the tables to export (default: all).
+            full: write a full version even when a delta could follow.
+
+        Returns:
+            An :class:`~embcache.engine.export.ExportResult`: version number, kind, rows, deleted keys.
+
+        Raises:
+            ExportFormatError: ``directory`` is not a directory, or holds another format.
+            UnknownTableError, CacheClosedError, StoreError, OSError (nothing committed: the next
+            export includes every change this one would have).
+        """
+        path = check_directory(directory)
+        engines = self._engines(tables)
+        with self._export_lock:
+            assert self._store is not None
+            return export.export_tables(engines, self._store, path, with_state=with_state, force_full=full)
+
+    def begin_export(self, chain: str, base_version: int, *, tables: Sequence[str] | None = None,
+                     full: bool = False) -> export.PendingExport:
+        """The first half of :meth:`export_delta`, for a writer elsewhere (the parameter server's
+        client writes one version of the whole fleet): dirty rows written back, the epoch closed.
+
+        The export is a delta when every table's last committed export was version
+        ``base_version`` of ``chain`` (``full`` off), else full. Read its rows with
+        ``batches()``; once a version holding them is durable, ``commit(chain, version)`` drops
+        the marks it covered. An export never committed leaves the marks: the next one
+        includes its rows again.
+
+        Raises:
+            UnknownTableError, CacheClosedError, StoreError.
+        """
+        engines = self._engines(tables)
+        with self._export_lock:
+            assert self._store is not None
+            return export.begin(engines, self._store, chain, base_version, full)
+
+    def import_version(self, directory: str | os.PathLike[str], version: int | None = None, *,
+                       with_state: bool = True, tables: Sequence[str] | None = None) -> dict[str, int]:
+        """Load the rows of an exported version (a full version with its deltas folded in) into this cache.
+
+        Tables the cache lacks are created from the version's definitions. Each row is written
+        to the store with its optimizer state when the version carries it (and ``with_state``),
+        else with the optimizer's initial state; memory copies of those keys are dropped. Rows
+        the version does not hold are left as they are.
+
+        Args:
+            directory: an export directory (e.g. from :meth:`export_delta`, ``embcache export``
+                or :func:`embcache.export.from_tensor`).
+            version: the version to load (default: the newest complete one).
+            with_state: take the optimizer state when present.
+            tables: the tables to load (default: all the version holds).
+
+        Returns:
+            ``{table: rows written}``.
+
+        Raises:
+            ExportFormatError: no such version, or a broken chain.
+            TableConflictError: a table exists here with another layout (dim, optimizer, dtype,
+                initializer); nothing was written.
+            CacheClosedError, StoreError.
+        """
+        check_open(self._closed)
+        _, model = load_model(check_directory(directory), version, tables=tables, with_state=with_state)
+        configs = {name: TableConfig.from_dict(rows.config) for name, rows in model.items()}
+        for name, cfg in configs.items():
+            old = self._tables.get(name)
+            if old is not None and old.cfg.layout_conflicts(cfg):
+                diffs = ", ".join(f"{f}: here {getattr(old.cfg, f)!r}, exported {getattr(cfg, f)!r}"
+                                  for f in old.cfg.layout_conflicts(cfg))
+                raise TableConflictError(f"import: table {name!r} conflicts with the exported one ({diffs}); "
+                                         "nothing was imported")
+        for name, cfg in configs.items():
+            if name not in self._tables:
+                self.create_table(cfg)
+        written: dict[str, int] = {}
+        chunk = min(self._config.max_batch_keys, 1 << 20)
+        for name, rows in model.items():
+            t = self._table(name)
+            for start in range(0, rows.keys.shape[0], chunk):
+                stop = start + chunk
+                records = export.import_records(t.cfg, rows.weights[start:stop],
+                                                None if rows.state is None else rows.state[start:stop])
+                with t.lock:
+                    t.check_open()
+                    t.import_records(torch.from_numpy(rows.keys[start:stop].copy()), records, None)
+            written[name] = int(rows.keys.shape[0])
+        return written
 
     # ------------------------------------------------------------------ inspection
     def stats(self) -> dict[str, dict[str, Any]]:

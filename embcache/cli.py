@@ -2,6 +2,8 @@
 
     embcache sizing TRACE...    miss-ratio curves and tier sizes for a target hit ratio
     embcache reshard --servers A,B --add C     add or remove parameter-server shards, moving rows
+    embcache export STORE_DIR OUT_DIR          every stored row as a full version of the export format
+    embcache import EXPORT_DIR STORE_DIR       load an exported version into a cache's store
 
 ``embcache reshard`` and ``embcache-server`` need the server extra (``pip install 'embcache[server]'``),
 the plot of ``embcache sizing`` the sizing extra; without them they stop with a message naming it.
@@ -16,6 +18,7 @@ from types import ModuleType
 
 from . import __version__, sizing
 from ._extras import MissingExtraError, missing_extra
+from .export import commands
 
 __all__ = ["main", "server_main"]
 
@@ -47,6 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                        description=sizing.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sizing.add_arguments(p)
     p.set_defaults(run=sizing.run)
+    p = sub.add_parser("export", help="write every stored row of a closed cache or a checkpoint as a full version",
+                       description=commands.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands.add_export_arguments(p)
+    p.set_defaults(run=commands.run_export)
+    p = sub.add_parser("import", help="load an exported version (full + deltas) into a cache's store",
+                       description=commands.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands.add_import_arguments(p)
+    p.set_defaults(run=commands.run_import)
     reshard = _reshard()
     p = sub.add_parser("reshard", help="add or remove parameter-server shards, moving every row whose owner changes",
                        description=reshard.__doc__ if isinstance(reshard, ModuleType) else str(reshard),

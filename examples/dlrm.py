@@ -4,6 +4,7 @@ Run from the repository root::
 
     python -m examples.dlrm                       # defaults: about 7 min on 2 CPU cores (404 s measured), end to end
     python -m examples.dlrm --mode torch          # the same model with every table in memory
+    python -m examples.dlrm --export-dir exports --export-every 4   # a delta of the tables every 4 passes
     python -m examples.dlrm --help
 
 What it does:
@@ -378,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admit-after", type=int, default=0,
                    help="admission of new ids (cache modes): an id gets a trained row once looked up this many "
                         "times (default 0: at once)")
+    p.add_argument("--export-dir", default=None,
+                   help="export the tables here (embcache's open format: a full version, then deltas)")
+    p.add_argument("--export-every", type=_positive, default=1,
+                   help="with --export-dir: export after every N training passes (default 1)")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -483,6 +488,8 @@ class Trainer:
     def __init__(self, args: argparse.Namespace) -> None:
         if min(args.passes, args.samples_per_pass, args.batch, args.dim, args.eval_samples or 1) < 1:
             raise ValueError("--passes, --samples-per-pass, --eval-samples, --batch and --dim must be >= 1")
+        if args.export_dir and args.mode == "torch":
+            raise ValueError("--export-dir exports the cache's tables: it needs a cache mode, not --mode torch")
         self.args = args
         self.threads = _set_threads(args.threads)
         self.progress = not args.no_progress
@@ -533,6 +540,7 @@ class Trainer:
         self.prefetch_on = args.mode == "cache"
         self.train_passes = self.ds.passes - 1
         self.rows: list[_Pass] = []
+        self.exports: list[dict[str, Any]] = []  # --export-dir: one entry per version written
         self._write_backs: list[Any] = []
         self._prefetches: list[Any] = []
         self._bar = tqdm(total=sum(math.ceil(self.ds.samples[p] / args.batch) for p in range(self.train_passes)),
@@ -562,6 +570,13 @@ class Trainer:
 
     def _cache_seconds(self) -> float:
         return self.emb.timed.seconds if isinstance(self.emb, CacheEmbeddings) else 0.0
+
+    def _export(self, cache: EmbeddingCache, p: int) -> None:
+        """Export the rows changed since the last export (the first: every row) as the next version."""
+        r = cache.export_delta(self.args.export_dir)
+        self.exports.append({"pass": p + 1, "version": r.version, "kind": r.kind, "rows": r.rows,
+                             "deleted": r.deleted, "seconds": r.seconds})
+        self.seconds["export"] = self.seconds.get("export", 0.0) + r.seconds
 
     def train_pass(self, p: int) -> dict[str, Any]:
         """Train pass ``p`` (the next one): begin_pass, prefetch of p + 1, its batches, end_pass; its row."""
@@ -607,6 +622,8 @@ class Trainer:
         if self.passes_on and cache is not None:
             self._write_backs.append(cache.end_pass())
         row.seconds = time.perf_counter() - t0
+        if self.args.export_dir and cache is not None and (p + 1) % self.args.export_every == 0:
+            self._export(cache, p)
         after = self._counts()
         row.counts = {k: v - before[k] for k, v in after.items()}
         row.rates = _rates(after, before) if cache is not None else {}
@@ -689,6 +706,7 @@ class Trainer:
             "admission": ({k: sum(s["admission"][k] for s in final_stats.values())
                            for k in ("unadmitted_lookups", "dropped_updates", "admitted_rows")}
                           if final_stats else {}),
+            "exports": self.exports,
             "seconds": {**self.seconds, "eval": time.perf_counter() - t_eval,
                         "total": time.perf_counter() - self.t_start},
         }
@@ -740,6 +758,9 @@ def _print_summary(s: dict[str, Any], out: Any = None) -> None:
     print(f"\nheld-out AUC {s['auc']:.4f}, log loss {s['eval']['logloss']:.4f} "
           f"(click rate {s['eval']['positive_rate']:.1%}); loss {s['first_pass_loss']:.4f} (first pass) -> "
           f"{s['last_pass_loss']:.4f} (last pass)", file=out)
+    for e in s.get("exports", []):
+        print(f"export after pass {e['pass']}: version {e['version']} ({e['kind']}), {e['rows']:,} rows, "
+              f"{e['deleted']:,} deleted, {e['seconds']:.2f} s", file=out)
     sec = s["seconds"]
     print(f"time: data {sec['data']:.1f} s, keysets {sec['keysets']:.1f} s, setup {sec['setup']:.1f} s, "
           f"train {sec['train']:.1f} s, eval {sec['eval']:.1f} s, total {sec['total']:.1f} s", file=out)

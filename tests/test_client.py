@@ -520,7 +520,8 @@ def test_the_read_only_methods_of_the_embedded_cache(client: Client, tmp_path: P
             call()
     # what the client leaves out, and its docstring says why
     missing = {n for n in dir(EmbeddingCache) if not n.startswith("_")} - set(dir(Client))
-    assert missing == {"config", "restore", "export_rows", "import_rows", "delete_rows"}
+    assert missing == {"config", "restore", "export_rows", "import_rows", "delete_rows", "begin_export",
+                       "import_version"}
     for name in missing:
         assert f"``{name}``" in (Client.__doc__ or "")
 

@@ -25,7 +25,8 @@ server/README.md and deploy/README.md. Each statement found is its own test, nam
    server.toml (a server setting or config field).
 4. Flags: each ``--flag`` in backticks (or in a command of a fenced block) exists in the parser
    of the command it goes with: the command the span starts with, else the commands named in
-   its paragraph, else any of embcache-server, ``embcache reshard``, ``embcache sizing``,
+   its paragraph (``embcache export``, ``embcache import`` and ``python -m examples.dlrm`` too), else
+   any of embcache-server, ``embcache reshard``, ``embcache sizing``,
    ``python -m bench``, the demo. "`--flag`, default V", "`--flag` (default V)" and
    "default `--flag V`" match the server setting's (or parser's) default.
 5. Environment: each ``EMBCACHE_X`` is a setting or CacheConfig field the server reads
@@ -656,12 +657,19 @@ def _flag_sets() -> dict[str, set[str]]:
     """Command -> its flags: the real parsers where a function builds them, else the scripts' add_argument calls."""
     if not _FLAGS:
         from embcache import reshard, sizing
+        from embcache.export import commands
 
         _FLAGS["embcache-server"] = set(_server_parser()._option_string_actions)
         for name, module in (("embcache reshard", reshard), ("embcache sizing", sizing)):
             p = argparse.ArgumentParser(prog=name)
             module.add_arguments(p)
             _FLAGS[name] = set(p._option_string_actions)
+        for name, add in (("embcache export", commands.add_export_arguments),
+                          ("embcache import", commands.add_import_arguments)):
+            p = argparse.ArgumentParser(prog=name)
+            add(p)
+            _FLAGS[name] = set(p._option_string_actions)
+        _FLAGS["python -m examples.dlrm"] = _ast_flags(ROOT / "examples" / "dlrm.py")
         _FLAGS["python -m bench"] = _ast_flags(ROOT / "bench" / "__main__.py")
         _FLAGS["python -m bench.ab"] = _ast_flags(ROOT / "bench" / "ab.py")
         _FLAGS["demo"] = _ast_flags(ROOT / "embcache" / "demo.py")
@@ -675,6 +683,9 @@ COMMANDS: list[tuple[re.Pattern[str], str | None]] = [
     (re.compile(r"embcache-server\b|python3? -m embcache\.server\b"), "embcache-server"),
     (re.compile(r"embcache reshard\b"), "embcache reshard"),
     (re.compile(r"embcache sizing\b"), "embcache sizing"),
+    (re.compile(r"embcache export\b"), "embcache export"),
+    (re.compile(r"embcache import\b"), "embcache import"),
+    (re.compile(r"python3? -m examples\.dlrm\b"), "python -m examples.dlrm"),
     (re.compile(r"python3? -m bench(?![.\w])"), "python -m bench"),
     (re.compile(r"python3? -m bench\.ab\b"), "python -m bench.ab"),
     (re.compile(r"\./dev demo\b|embcache-demo\b|python3? -m embcache(?![.\w-])"), "demo"),

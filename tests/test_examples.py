@@ -163,3 +163,23 @@ def test_dlrm_with_admission_trains_and_counts_what_it_kept_out(data_dir: str, t
     with pytest.raises(SystemExit, match="cache mode"):
         dlrm.run(dlrm.build_parser().parse_args([*TINY, "--mode", "torch", "--admit-after", "2", "--data", data_dir,
                                                  "--path", str(tmp_path / "b")]))
+
+
+def test_dlrm_exports_a_full_version_then_deltas_that_fold_to_the_trained_tables(data_dir: str, tmp_path: Any) -> None:
+    from embcache import CacheConfig, EmbeddingCache
+    from embcache.export import list_versions, load_model
+
+    out, path = str(tmp_path / "exports"), str(tmp_path / "run")
+    summary = dlrm.run(dlrm.build_parser().parse_args(
+        [*TINY, "--mode", "cache", "--data", data_dir, "--path", path, "--export-dir", out, "--export-every", "1"]))
+    exports = summary["exports"]
+    assert [e["kind"] for e in exports] == ["full", "delta", "delta"] and list_versions(out) == [1, 2, 3]
+    assert 0 < exports[1]["rows"] < exports[0]["rows"] + exports[1]["rows"]
+    _, model = load_model(out)
+    with EmbeddingCache(CacheConfig(path=os.path.join(path, "cache"), device="cpu", hbm_bytes=0, ddr_bytes=0)) as cache:
+        for name, rows in model.items():
+            assert rows.keys.size > 0
+            assert np.array_equal(rows.weights, cache.lookup(name, rows.keys).numpy())
+    with pytest.raises(ValueError, match="cache mode"):
+        dlrm.Trainer(dlrm.build_parser().parse_args([*TINY, "--mode", "torch", "--data", data_dir,
+                                                     "--export-dir", out]))

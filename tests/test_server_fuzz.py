@@ -74,6 +74,9 @@ def _seeds() -> dict[str, list[list[bytes]]]:
         "ImportRows": [pb.ImportRowsRequest(table="fuzz", pending_version=999, keys=_t(KEYS[:2]),
                                             records=b"\0" * 64, freq=_t([1.0, 2.0], np.float32))],
         "CommitShardMap": [pb.CommitShardMapRequest(version=999)],
+        # delta export: a small full export (it changes no row), and the commit of an unknown export (refused)
+        "ExportDelta": [pb.ExportDeltaRequest(tables=["fuzz"], batch_rows=16)],
+        "CommitExport": [pb.CommitExportRequest(export_id="none", chain="c", version=1)],
     }
     seeds = {name: [[m.SerializeToString()] for m in msgs] for name, msgs in one.items()}
     seeds["ApplyGradientsStream"] = [[pb.ApplyGradientsRequest(tables=[_values()]).SerializeToString()] * 2]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..config import TableConfig
+from ..engine.export import ExportResult
 from ..errors import (
     ConfigError,
     InvalidGradientError,
@@ -43,6 +44,7 @@ from ..validate import all_finite, checked_keys, checked_rows, nonfinite_gradien
 from . import routing
 from .discovery import Resolver, resolve_expected
 from .durability import settle
+from .exports import export_fleet
 from .leases import LeaseKeeper, RemoteLease
 from .merge import merge_stats
 from .passes import Passes
@@ -110,7 +112,11 @@ class Client:
     ``EmbeddingCache.restore(shard_checkpoint, CacheConfig(path=...))`` on each shard's
     machine and start ``embcache-server --path`` there (a client cannot move a store); and
     ``export_rows``, ``import_rows`` and ``delete_rows``, with which a server moves rows between
-    shards while resharding: a fleet moves its rows with :meth:`reshard`.
+    shards while resharding: a fleet moves its rows with :meth:`reshard`; and ``begin_export``,
+    the shard's half of :meth:`export_delta` (which runs it on every shard); and
+    ``import_version``, because an exported version is loaded where a store lives: run
+    ``embcache import EXPORT_DIR STORE_DIR`` for a server's path before starting it (with
+    several shards, import into one and :meth:`reshard` onto the others).
     """
 
     def __init__(self, servers: str | Sequence[str] | Mapping[str, str], *, timeout: float = 60.0,
@@ -489,6 +495,28 @@ class Client:
         replies = settle(self._transport, self._receipts, "Checkpoint", shards, lambda s, incs: pb.CheckpointRequest(
             directory=where[s.name], incarnations=incs), idempotent=False)
         return [r.directory for r in replies]
+
+    def export_delta(self, directory: str | os.PathLike[str], *, with_state: bool = False,
+                     tables: Sequence[str] | None = None, full: bool = False) -> ExportResult:
+        """Write the fleet's rows changed and keys deleted since the previous export as the next
+        version under ``directory`` (here, on the client's machine), as
+        :meth:`EmbeddingCache.export_delta` does for one cache.
+
+        Each shard streams its changes (``ExportDelta``); the client merges them and writes the
+        version; only then does each shard drop the change marks it covered (``CommitExport``).
+        A failure before that leaves every mark in place: the next export includes these rows.
+        The first export (or one after the shards disagree on the base) is a full version.
+
+        Args:
+            directory: the export directory on this machine (created if missing).
+            with_state: export the optimizer state too.
+            tables: the tables to export (default: all).
+            full: write a full version even when a delta could follow.
+
+        Raises:
+            ExportFormatError, UnknownTableError, UnavailableError, DeadlineExceededError, StoreError.
+        """
+        return export_fleet(self._transport, directory, with_state=with_state, tables=tables, full=full)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """``EmbeddingCache.stats()`` summed over shards (same shape; miss-ratio estimates averaged by lookups)."""

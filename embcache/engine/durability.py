@@ -24,6 +24,7 @@ from ..errors import CheckpointExistsError, ConfigError, StoreLockedError
 from ..hostmem import trim_heap
 from ..optim import state_width
 from ..stores import Store, open_store
+from .changes import MARK_BYTES, marks_table
 from .rows import record_bytes, table_meta_names
 from .table import TableEngine
 
@@ -154,15 +155,19 @@ def _copy_store(manifest: dict[str, Any], source: str, config: CacheConfig, targ
     src = open_store(manifest["store"], source)
     dst = open_store(config.store, target, **dict(config.store_options))
     try:
-        for table in src.tables():
-            tcfg = next((TableConfig.from_dict(d) for d in manifest["tables"] if d["name"] == table), None)
-            if tcfg is None:
-                continue
-            dst.open_table(table, record_bytes(tcfg.dim, tcfg.torch_dtype, state_width(tcfg.optimizer, tcfg.dim)))
-            with tqdm(desc=f"restoring {table}", unit="rows", unit_scale=True, leave=False) as bar:
-                for keys, records in src.scan(table):
-                    dst.put_many(table, keys, records)
-                    bar.update(len(keys))
+        present = set(src.tables())
+        for d in manifest["tables"]:
+            tcfg = TableConfig.from_dict(d)
+            copies = [(tcfg.name, record_bytes(tcfg.dim, tcfg.torch_dtype, state_width(tcfg.optimizer, tcfg.dim))),
+                      (marks_table(tcfg.name), MARK_BYTES)]  # the change marks of delta exports, if any
+            for table, width in copies:
+                if table not in present:
+                    continue
+                dst.open_table(table, width)
+                with tqdm(desc=f"restoring {table}", unit="rows", unit_scale=True, leave=False) as bar:
+                    for keys, records in src.scan(table):
+                        dst.put_many(table, keys, records)
+                        bar.update(len(keys))
         for name in table_meta_names(d["name"] for d in manifest["tables"]):
             value = src.get_meta(name)
             if value is not None:

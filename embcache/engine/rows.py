@@ -25,6 +25,7 @@ from ..init import init_rows
 from ..optim import initial_state
 from ..stores import Store
 from ..tier import RowBatch
+from .changes import Changes, export_meta
 from .stats import SsdStats
 
 __all__ = ["META_TABLES", "Read", "ReaderPool", "RecordCodec", "StagedRead", "StoreRows", "admission_meta",
@@ -55,6 +56,7 @@ def table_meta_names(tables: Iterable[str]) -> Iterator[str]:
         yield sketch_meta(name)
         yield clock_meta(name)
         yield admission_meta(name)
+        yield export_meta(name)
 
 
 def record_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
@@ -178,6 +180,9 @@ class StoreRows:
         self.writes = 0
         self._log: list[torch.Tensor] = []
         self._watchers = 0
+        # change marks for delta exports (on once the table was exported): every write and
+        # delete below marks its keys first, so no change is missed (see engine/changes.py)
+        self.changes = Changes(store, cfg.name)
 
     def read(self, keys: torch.Tensor) -> Read:
         """Read (unique, CPU, non-empty) ``keys`` and decode or create their rows; not counted yet
@@ -227,12 +232,14 @@ class StoreRows:
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         """Write raw records (another cache's export) to the store, logged; not counted as write-back."""
         self.writes += 1  # before the write: even a failed one may have changed what a cached read saw
+        self.changes.mark(keys)  # before the write: a crash between the two over-reports, never misses
         self.store.put_many(self.table, keys, records)
         self._logged(keys)
 
     def delete(self, keys: np.ndarray) -> None:
-        """Delete the rows of ``keys`` from the store, logged."""
+        """Delete the rows of ``keys`` from the store, logged and marked (a delta export lists them as deleted)."""
         self.writes += 1
+        self.changes.mark(keys)
         self.store.delete_many(self.table, keys)
         self._logged(keys)
 

@@ -14,6 +14,20 @@ from .format import (
     version_dir,
     write_version,
 )
+from .tensor import from_tensor
 
-__all__ = ["ExportFormatError", "TablePart", "TableRows", "Version", "latest_version", "list_versions", "load_model",
-           "read_table", "read_version", "version_chain", "version_dir", "write_version"]
+__all__ = [
+    "ExportFormatError",
+    "TablePart",
+    "TableRows",
+    "Version",
+    "from_tensor",
+    "latest_version",
+    "list_versions",
+    "load_model",
+    "read_table",
+    "read_version",
+    "version_chain",
+    "version_dir",
+    "write_version",
+]

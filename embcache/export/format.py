@@ -42,8 +42,8 @@ import torch
 from ..errors import EmbcacheError
 from ..stores.base import fsync_dir
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "ExportFormatError", "TablePart", "TableRows", "Version", "fold",
-           "latest_version", "list_versions", "load_model", "read_table", "read_version", "version_chain",
+__all__ = ["FORMAT", "FORMAT_VERSION", "ExportFormatError", "TablePart", "TableRows", "Version", "check_directory",
+           "fold", "latest_version", "list_versions", "load_model", "read_table", "read_version", "version_chain",
            "version_dir", "weights_array", "weights_tensor", "write_version"]
 
 FORMAT = "embcache-export"
@@ -90,6 +90,18 @@ class TableRows:
     weights: np.ndarray  # [n, dim], storage dtype (uint16 bits for bfloat16)
     state: np.ndarray | None  # float32 [n, S] when every folded version carried state
     dtype: str
+
+
+def check_directory(directory: str | os.PathLike[str]) -> str:
+    """``directory`` as a string, when it can hold versions (missing, or a directory).
+
+    Raises:
+        ExportFormatError: it exists and is not a directory.
+    """
+    path = os.fspath(directory)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ExportFormatError(f"export directory {path!r} exists and is not a directory")
+    return path
 
 
 def version_dir(directory: str, version: int) -> str:

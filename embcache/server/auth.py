@@ -32,7 +32,8 @@ _METHOD_PREFIX = f"/{SERVICE_NAME}/"
 #: file); "write": read-write tokens only. The server's token check, ``embcache-server --help``,
 #: the table in docs/operations/server.md (between its ``roles`` markers) and the tests all come from this table.
 #: ResidentKeys is a read: it lists keys and changes nothing. The resharding calls (GetShardMap
-#: ... CommitShardMap) are writes: only the operator's reshard makes them.
+#: ... CommitShardMap) are writes: only the operator's reshard makes them. ExportDelta and CommitExport
+#: are writes: they write dirty rows back and drop change marks.
 ROLES: dict[str, str] = {
     "ListTables": "read", "Lookup": "read", "Stats": "read", "ResidentKeys": "read",
     "CreateTable": "write", "ApplyGradients": "write", "ApplyGradientsStream": "write", "Assign": "write",
@@ -40,7 +41,7 @@ ROLES: dict[str, str] = {
     "BeginPassStream": "write", "EndPass": "write", "PrefetchBatch": "write", "PrefetchBatchStream": "write",
     "RenewLeases": "write", "ReleaseLeases": "write", "Flush": "write", "Checkpoint": "write",
     "GetShardMap": "write", "SetShardMap": "write", "ExportRows": "write", "ImportRows": "write",
-    "CommitShardMap": "write",
+    "CommitShardMap": "write", "ExportDelta": "write", "CommitExport": "write",
 }
 _SERVICE_METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods}
 if set(ROLES) != _SERVICE_METHODS or set(ROLES.values()) != {"read", "write"}:  # a new method needs its role

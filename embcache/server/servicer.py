@@ -64,6 +64,7 @@ from ..rpc.v1 import embcache_pb2_grpc as pb_grpc
 from .auth import READ_METHODS, ROLES, WRITE_METHODS, roles_text
 from .decoding import collect_chunks, collect_keysets, keys_of, keysets_of, unique_tables, values_of
 from .durability import Durability
+from .exports import Exports
 from .handlers import SERVICE_NAME, add_to_server
 from .leases import LeaseTable
 from .overload import StreamWatchdog
@@ -120,6 +121,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         self._incarnation = durability.ledger.incarnation
         self._incarnation_hex = f"{self._incarnation:016x}"
         self._watchdog = watchdog
+        self._exports = Exports(cache, server_info.max_send_message_bytes)
         self.leases = leases if leases is not None else LeaseTable(
             cache, server_info.max_lease_seconds or 600.0)
 
@@ -547,3 +549,14 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             return pb.CommitShardMapResponse(state=self._map_state(), deleted_rows=deleted)
         return self._run("CommitShardMap", context, commit)
 
+    # ------------------------------------------------------------------ delta export
+    def ExportDelta(self, request: pb.ExportDeltaRequest,
+                    context: grpc.ServicerContext) -> Iterator[pb.ExportDeltaResponse]:
+        """Begin a delta (or full) export of this shard and stream its rows (see ``embcache.server.exports``)."""
+        yield from self._run_stream("ExportDelta", context, self._exports.stream(request))
+
+    def CommitExport(self, request: pb.CommitExportRequest,
+                     context: grpc.ServicerContext) -> pb.CommitExportResponse:
+        """Drop the change marks of an export whose version the client has written."""
+        return self._run("CommitExport", context,
+                         lambda: pb.CommitExportResponse(dropped_marks=self._exports.commit(request)))

@@ -475,6 +475,65 @@ class CommitShardMapResponse(_message.Message):
     deleted_rows: int
     def __init__(self, state: _Optional[_Union[ShardMapState, _Mapping]] = ..., deleted_rows: _Optional[int] = ...) -> None: ...
 
+class ExportDeltaRequest(_message.Message):
+    __slots__ = ("tables", "with_state", "chain", "base_version", "full", "batch_rows")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    WITH_STATE_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    with_state: bool
+    chain: str
+    base_version: int
+    full: bool
+    batch_rows: int
+    def __init__(self, tables: _Optional[_Iterable[str]] = ..., with_state: _Optional[bool] = ..., chain: _Optional[str] = ..., base_version: _Optional[int] = ..., full: _Optional[bool] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+
+class ExportDeltaResponse(_message.Message):
+    __slots__ = ("export_id", "full", "steps", "table", "keys", "weights", "state", "deleted")
+    class StepsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    export_id: str
+    full: bool
+    steps: _containers.ScalarMap[str, int]
+    table: str
+    keys: Tensor
+    weights: bytes
+    state: bytes
+    deleted: Tensor
+    def __init__(self, export_id: _Optional[str] = ..., full: _Optional[bool] = ..., steps: _Optional[_Mapping[str, int]] = ..., table: _Optional[str] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[bytes] = ..., state: _Optional[bytes] = ..., deleted: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class CommitExportRequest(_message.Message):
+    __slots__ = ("export_id", "chain", "version")
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    export_id: str
+    chain: str
+    version: int
+    def __init__(self, export_id: _Optional[str] = ..., chain: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class CommitExportResponse(_message.Message):
+    __slots__ = ("dropped_marks",)
+    DROPPED_MARKS_FIELD_NUMBER: _ClassVar[int]
+    dropped_marks: int
+    def __init__(self, dropped_marks: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

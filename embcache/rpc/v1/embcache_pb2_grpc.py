@@ -160,6 +160,16 @@ class EmbeddingCacheServiceStub:
                 request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapRequest.SerializeToString,
                 response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapResponse.FromString,
                 _registered_method=True)
+        self.ExportDelta = channel.unary_stream(
+                '/embcache.rpc.v1.EmbeddingCacheService/ExportDelta',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportDeltaRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportDeltaResponse.FromString,
+                _registered_method=True)
+        self.CommitExport = channel.unary_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/CommitExport',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitExportRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitExportResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingCacheServiceServicer:
@@ -324,6 +334,19 @@ class EmbeddingCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportDelta(self, request, context):
+        """Delta export (administration: read-write tokens): stream a shard's changes, then commit them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitExport(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -451,6 +474,16 @@ def add_EmbeddingCacheServiceServicer_to_server(servicer, server):
                     servicer.CommitShardMap,
                     request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapRequest.FromString,
                     response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapResponse.SerializeToString,
+            ),
+            'ExportDelta': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportDelta,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportDeltaRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportDeltaResponse.SerializeToString,
+            ),
+            'CommitExport': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitExport,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitExportRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitExportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1128,6 +1161,60 @@ class EmbeddingCacheService:
             '/embcache.rpc.v1.EmbeddingCacheService/CommitShardMap',
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapRequest.SerializeToString,
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitShardMapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportDelta(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/ExportDelta',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportDeltaRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.ExportDeltaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitExport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/CommitExport',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitExportRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.CommitExportResponse.FromString,
             options,
             channel_credentials,
             insecure,
