@@ -3,8 +3,8 @@ serves an export read-only, follows its new versions atomically, and refuses eve
 
 The trainer here is a reference model (a torch weight matrix per table, trained with SGD) that
 writes its versions with :func:`embcache.export.write_version`: a full version, then deltas of the
-rows it changed and the keys it deleted. Its one export call is :meth:`Trainer.export`; a trainer
-running an EmbeddingCache would call the cache's delta export there instead.
+rows it changed and the keys it deleted. The last test has the real trainer side: an
+EmbeddingCache exporting its own deltas with ``export_delta`` while the server follows.
 """
 
 from __future__ import annotations
@@ -395,3 +395,41 @@ def test_a_missing_version_is_reported_once_and_applied_when_it_appears(tmp_path
         write_version(export, 2, "delta", part(2.0), base_version=1)
         assert model.poll() == 2 and (model.version, model.errors) == (3, 1)
         assert torch.equal(cache.lookup("t", torch.arange(4)), torch.full((4, 2), 3.0))
+
+
+def test_a_serving_server_follows_a_caches_own_delta_exports(tmp_path: Path,
+                                                            client_of: Callable[[LocalServer], Client]) -> None:
+    """The issue's test with the real trainer side: an EmbeddingCache (small tiers, rows spread over
+    HBM, DDR and the store) trains and calls ``export_delta`` every few steps while the server
+    follows; after each version the server returns exactly the cache's weights, deleted keys as
+    unknown (zeros)."""
+    export = tmp_path / "export"
+    tables = [TableConfig(name=t, dim=d, dtype=dt, optimizer="adagrad", lr=0.3, seed=5)
+              for t, (d, dt) in TABLES.items()]
+    keys = torch.arange(300, dtype=torch.int64) * 7 + 3
+    gen = torch.Generator().manual_seed(11)
+    with EmbeddingCache(CacheConfig(hbm_bytes=40 * 64, ddr_bytes=80 * 64, path=str(tmp_path / "trainer"),
+                                    device="cpu", validate_memory=False), tables) as cache:
+        alive = torch.ones(keys.numel(), dtype=torch.bool)
+        for t, (dim, _) in TABLES.items():  # every key trained once: every row stored
+            cache.apply_gradients(t, keys, torch.randn(keys.numel(), dim, generator=gen))
+        assert cache.export_delta(str(export)).kind == "full"
+        server = _serve(tmp_path, export, *FOLLOW)
+        client = client_of(server)
+        for round_ in range(4):
+            for _ in range(3):  # a few training steps between exports
+                live = keys[alive]
+                idx = torch.randperm(live.numel(), generator=gen)[:60]
+                for t, (dim, _) in TABLES.items():
+                    cache.apply_gradients(t, live[idx], torch.randn(idx.numel(), dim, generator=gen))
+            gone = keys[alive][round_ * 5:round_ * 5 + 5]
+            for t in TABLES:
+                cache.delete_rows(t, gone)
+            alive &= ~torch.isin(keys, gone)
+            result = cache.export_delta(str(export))
+            assert result.kind == "delta"
+            _wait_version(client, result.version)
+            served = client.lookup_many({t: keys for t in TABLES})
+            for t in TABLES:
+                expected = torch.where(alive[:, None], cache.lookup(t, keys), 0.0)
+                assert torch.equal(served[t], expected), (t, result.version)
