@@ -24,7 +24,8 @@ from ..errors import CheckpointExistsError, ConfigError, StoreLockedError
 from ..hostmem import trim_heap
 from ..optim import state_width
 from ..stores import Store, open_store
-from .rows import record_bytes, table_meta_names
+from . import expiry
+from .rows import TOUCH_BYTES, record_bytes, table_meta_names, touch_owner
 from .table import TableEngine
 
 __all__ = ["STORE_DIR", "PathLock", "check_checkpoint_target", "flush", "read_manifest", "restore_store",
@@ -82,6 +83,7 @@ def flush(tables: Mapping[str, TableEngine], store: Store, save_frequencies: boo
     store durable (every table lock held)."""
     for name in sorted(tables):
         t = tables[name]
+        expiry.flush_touches(t)  # touches since the last flush, before the rows (rows expiring only)
         t.write_dirty()
         if save_frequencies:
             t.save_frequencies()
@@ -155,10 +157,13 @@ def _copy_store(manifest: dict[str, Any], source: str, config: CacheConfig, targ
     dst = open_store(config.store, target, **dict(config.store_options))
     try:
         for table in src.tables():
-            tcfg = next((TableConfig.from_dict(d) for d in manifest["tables"] if d["name"] == table), None)
+            owner = touch_owner(table)  # the side namespace of an expiring table's touches
+            tcfg = next((TableConfig.from_dict(d) for d in manifest["tables"] if d["name"] == (owner or table)), None)
             if tcfg is None:
                 continue
-            dst.open_table(table, record_bytes(tcfg.dim, tcfg.torch_dtype, state_width(tcfg.optimizer, tcfg.dim)))
+            width = TOUCH_BYTES if owner is not None else record_bytes(tcfg.dim, tcfg.torch_dtype,
+                                                                     state_width(tcfg.optimizer, tcfg.dim))
+            dst.open_table(table, width)
             with tqdm(desc=f"restoring {table}", unit="rows", unit_scale=True, leave=False) as bar:
                 for keys, records in src.scan(table):
                     dst.put_many(table, keys, records)

@@ -38,7 +38,7 @@ from ..stores import Store
 from ..tier import MemoryTier, RowBatch, ScoreOf, release_cached_memory, to_device, to_host
 from ..types import Tier
 from ..validate import check_open
-from . import admission, placement
+from . import admission, expiry, placement
 from .lock import TableLock
 from .rows import (
     Read,
@@ -118,6 +118,8 @@ class TableEngine:
         self.reset_mrc()
         self.pass_keyset: Keyset | None = None
         self.pass_pinned = torch.empty(0, dtype=torch.int64)
+        # expiry (ttl_steps / ttl_seconds): the state the sweeper and the touch writes keep (.expiry)
+        self.expiry = expiry.Expiry(cfg.ttl_steps, cfg.ttl_seconds) if cfg.expires else None
 
     # ------------------------------------------------------------------ state
     def _tiers(self, hbm_rows: int, ddr_rows: int) -> tuple[MemoryTier, MemoryTier]:
@@ -132,7 +134,8 @@ class TableEngine:
         return self.codec.record_bytes
 
     def load_saved(self) -> None:
-        """Take up the frequency sketch, clock and admission counts the store saved for this table, if any."""
+        """Take up the frequency sketch, clock, admission counts and expiry state the store saved for
+        this table, if any."""
         store, name = self.rows.store, self.cfg.name
         sketch = store.get_meta(sketch_meta(name))
         if sketch:
@@ -143,6 +146,7 @@ class TableEngine:
         counts = store.get_meta(admission_meta(name))
         if counts and self.admission is not None:
             self.admission.load_bytes(counts)
+        expiry.load(self)
 
     def save_frequencies(self) -> None:
         """Save the frequency state (resident rows' counts into the sketch, then sketch, clock and
@@ -229,6 +233,8 @@ class TableEngine:
         if self.mrc is not None:
             self.mrc.observe(given)  # host keys when the caller gave them: no copy back from the GPU
         self.advance_clock(n)
+        if self.expiry is not None and self.cfg.ttl_seconds > 0:
+            self.expiry.times.note(self.clock.now, time.time())
         return out
 
     def _below_hbm(self, ukeys: torch.Tensor, counts: torch.Tensor, inc: float, now: int) -> torch.Tensor:
@@ -388,6 +394,7 @@ class TableEngine:
                 old = (tier.weights[slots], tier.state[slots], tier.dirty[slots])
                 w, s = fn(old[0], old[1], idx)
                 tier.write(slots, w, s)
+                expiry.touch_resident(self, tier, slots)
                 undo.append((tier, slots, old))
         skeys = rest_keys[~in_d]
         if self.admission is not None and read_store and skeys.numel():
@@ -525,7 +532,9 @@ class TableEngine:
         slots = tier.dirty_slots()[:STAGE_CHUNK]
         if slots.numel() == 0:
             return 0
-        self.rows.write(tier.read(slots))
+        rows = tier.read(slots)
+        expiry.write_leaving_touches(self, rows)  # a stored row always has its touch
+        self.rows.write(rows)
         tier.dirty[slots] = False
         return int(slots.numel())
 
@@ -553,16 +562,24 @@ class TableEngine:
         self.recent = None  # the rows a lookup kept aside may be of these keys
 
     def import_records(self, keys: torch.Tensor, records: np.ndarray, freq: np.ndarray | None) -> None:
-        """Replace the rows of unique CPU ``keys`` by store ``records`` (memory copies dropped)."""
+        """Replace the rows of unique CPU ``keys`` by store ``records`` (memory copies dropped); an
+        imported row counts as touched now."""
+        self.rows.write_touches(keys.numpy(), np.full(keys.numel(), self.clock.now, dtype=np.int64))
         self.rows.put(keys.numpy(), records)
         self._drop_resident(keys)
         if freq is not None and keys.numel():
             self.sketch.raise_to(keys, torch.as_tensor(np.asarray(freq, dtype=np.float32)))
 
-    def delete(self, keys: torch.Tensor) -> None:
-        """Delete the rows of unique CPU ``keys`` from every tier and the store."""
-        self.rows.delete(keys.numpy())
-        self._drop_resident(keys)
+    def delete(self, keys: torch.Tensor, count: bool = True) -> int:
+        """Delete the rows of unique CPU ``keys`` from every tier (pinned ones too), the store and
+        the side namespace of touches; how many of them existed (resident or stored; with
+        ``count=False`` the store is not read to tell, and 0 is returned)."""
+        if keys.numel() == 0:
+            return 0
+        existed = int((self.rows.stored(keys) | self.resident(keys)).sum()) if count else 0
+        expiry.delete_keys(self, keys)
+        self.stats.expiry.deleted += existed
+        return existed
 
     def resident_keys(self, tier: Tier) -> torch.Tensor:
         """Keys (int64, CPU) resident in ``tier``."""
