@@ -1,7 +1,8 @@
 """Expiry of rows (``TableConfig.ttl_steps`` / ``ttl_seconds``), explicit deletion, and the sweeper.
 
 A row is *touched* when it is looked up or updated (or assigned, imported). A step is one tick of
-the table's clock (:class:`embcache.policy.Clock`): one key occurrence looked up in the table. A
+the table's clock (:class:`embcache.policy.Clock`): one key occurrence looked up in the table (and,
+with ``ttl_seconds``, one per sweep, so that the updates since the last lookup can be dated). A
 row expires when it was last touched more than ``ttl_steps`` ticks ago, or (``ttl_seconds``) more
 than that many seconds ago; everything is decided in ticks: the wall time of the clock's ticks is
 sampled (:class:`TickTimes`, at most ~256 samples per ``ttl_seconds``), so a time cutoff becomes
@@ -74,8 +75,12 @@ class TickTimes:
         self.walls: list[float] = []
 
     def note(self, tick: int, wall: float) -> None:
-        """Record that the clock was at ``tick`` at ``wall`` (no-op within the resolution of the last sample)."""
-        if self.ttl <= 0 or (self.walls and wall - self.walls[-1] < self.resolution):
+        """Record that the clock was at ``tick`` at ``wall``. Within the resolution of the sample
+        before the last, the last one is replaced: samples stay that far apart, the newest is exact."""
+        if self.ttl <= 0:
+            return
+        if len(self.walls) >= 2 and wall - self.walls[-2] < self.resolution:
+            self.ticks[-1], self.walls[-1] = tick, wall
             return
         self.ticks.append(tick)
         self.walls.append(wall)
@@ -200,6 +205,13 @@ def sweep(t: TableEngine) -> None:
     """
     assert t.expiry is not None
     t0 = time.perf_counter()
+    if t.cfg.ttl_seconds > 0:
+        with t.lock:
+            t.check_open()
+            # One tick on, and its time noted: touches made at the current tick (updates since the
+            # last lookup) are then known to be older than this sweep, so an idle table expires too.
+            t.advance_clock(1)
+            t.expiry.times.note(t.clock.now, time.time())
     _sweep_memory(t)
     if not t.expiry.adopted:
         _adopt(t)
