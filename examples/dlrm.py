@@ -378,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admit-after", type=int, default=0,
                    help="admission of new ids (cache modes): an id gets a trained row once looked up this many "
                         "times (default 0: at once)")
+    p.add_argument("--ttl-steps", type=int, default=0,
+                   help="expiry (cache modes): a row not looked up or updated for this many steps of its table's "
+                        "clock (one step per id looked up in the table; a batch moves it --batch steps) is deleted "
+                        "from memory and the store; a sweep runs after each pass (default 0: rows never expire)")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -508,8 +512,12 @@ class Trainer:
         self.touched = _union(self.keysets)
         if args.admit_after and args.mode == "torch":
             raise SystemExit("--admit-after needs a cache mode (the torch mode keeps every row)")
+        if args.ttl_steps and args.mode == "torch":
+            raise SystemExit("--ttl-steps needs a cache mode (the torch mode keeps every row)")
+        if args.ttl_steps < 0:
+            raise SystemExit("--ttl-steps must be >= 0")
         tables = [TableConfig(name=t, dim=args.dim, optimizer=args.emb_optimizer, lr=args.emb_lr, seed=i + 1,
-                              admit_after=args.admit_after) for i, t in enumerate(TABLES)]
+                              admit_after=args.admit_after, ttl_steps=args.ttl_steps) for i, t in enumerate(TABLES)]
         self.row_bytes = resident_row_bytes(args.dim, torch.float32,
                                             1 if args.emb_optimizer == "rowwise_adagrad" else args.dim)
         hbm_bytes, ddr_bytes, shares = _memory_plan(self.keysets, self.row_bytes)
@@ -606,6 +614,8 @@ class Trainer:
         row.loss_sum = float(loss_acc)
         if self.passes_on and cache is not None:
             self._write_backs.append(cache.end_pass())
+        if self.args.ttl_steps and cache is not None:
+            cache.expire_now()  # rows not touched for --ttl-steps go (unpinned: the pass has ended)
         row.seconds = time.perf_counter() - t0
         after = self._counts()
         row.counts = {k: v - before[k] for k, v in after.items()}
@@ -689,6 +699,9 @@ class Trainer:
             "admission": ({k: sum(s["admission"][k] for s in final_stats.values())
                            for k in ("unadmitted_lookups", "dropped_updates", "admitted_rows")}
                           if final_stats else {}),
+            "expiry": ({k: sum(s["expiry"][k] for s in final_stats.values())
+                        for k in ("expired_hbm", "expired_ddr", "expired_store", "sweeps")}
+                       if final_stats else {}),
             "seconds": {**self.seconds, "eval": time.perf_counter() - t_eval,
                         "total": time.perf_counter() - self.t_start},
         }
