@@ -39,8 +39,8 @@ def _table(ttl_steps: int = TTL, ttl_seconds: float = 0.0) -> TableConfig:
 def _config(path: Path, store: str, hbm_rows: int = 8, ddr_rows: int = 8, **kw: Any) -> CacheConfig:
     rb = row_bytes(DIM, "adagrad")
     kw.setdefault("expiry_interval", 3600.0)  # sweeps run when the test says (expire_now)
-    return CacheConfig(path=str(path), store=store, hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, device="cpu",
-                       **kw)
+    kw.setdefault("device", "cpu")
+    return CacheConfig(path=str(path), store=store, hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, **kw)
 
 
 def _init_rows(tmp_path: Path, keys: Any) -> torch.Tensor:
@@ -64,9 +64,9 @@ def _advance(cache: EmbeddingCache, steps: int, key: int = 10_000) -> None:
     cache.lookup("t", torch.full((steps,), key, dtype=torch.int64))
 
 
-def test_untouched_rows_expire_from_every_tier_and_the_store(tmp_path: Path, store: str) -> None:
+def test_untouched_rows_expire_from_every_tier_and_the_store(tmp_path: Path, store: str, device: str) -> None:
     trained = torch.arange(40)
-    with EmbeddingCache(_config(tmp_path / "c", store), [_table()]) as cache:
+    with EmbeddingCache(_config(tmp_path / "c", store, device=device), [_table()]) as cache:
         _train(cache, trained)
         cache.flush()
         where = {tier: set(cache.resident_keys("t", tier).tolist()) for tier in ("hbm", "ddr")}
@@ -84,13 +84,13 @@ def test_untouched_rows_expire_from_every_tier_and_the_store(tmp_path: Path, sto
         resident = set(cache.resident_keys("t", "hbm").tolist()) | set(cache.resident_keys("t", "ddr").tolist())
         assert not resident & (set(range(40)) - {kept})
         assert _stored(cache) == 1 and _stored(cache, "~touch/t") <= 2  # kept's row; its touch (and 10000's)
-        torch.testing.assert_close(cache.lookup("t", [kept]), value, rtol=0, atol=0)
+        torch.testing.assert_close(cache.lookup("t", [kept]).cpu(), value.cpu(), rtol=0, atol=0)
         gone = torch.tensor([k for k in range(40) if k != kept])
-        torch.testing.assert_close(cache.lookup("t", gone), _init_rows(tmp_path, gone), rtol=0, atol=0)
+        torch.testing.assert_close(cache.lookup("t", gone).cpu(), _init_rows(tmp_path, gone), rtol=0, atol=0)
 
 
-def test_an_update_touches_a_resident_row(tmp_path: Path, store: str) -> None:
-    with EmbeddingCache(_config(tmp_path / "c", store, hbm_rows=64), [_table()]) as cache:
+def test_an_update_touches_a_resident_row(tmp_path: Path, store: str, device: str) -> None:
+    with EmbeddingCache(_config(tmp_path / "c", store, hbm_rows=64, device=device), [_table()]) as cache:
         _train(cache, torch.arange(4))
         _advance(cache, TTL - 10)
         cache.apply_gradients("t", [2], torch.ones(1, DIM))  # no lookup: the update alone touches row 2
