@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ids", type=int, default=None, help=f"distinct IDs per run (default {N_IDS:,})")
     ap.add_argument("--ttl-ids", type=int, default=None, help=f"ttl_steps of the TTL run (default {TTL_IDS:,})")
     ap.add_argument("--batch", type=int, default=BATCH, help=f"new IDs per step (default {BATCH})")
-    ap.add_argument("--interval", type=float, default=5.0, help="CacheConfig.expiry_interval, seconds (default 5)")
+    ap.add_argument("--interval", type=float, default=30.0, help="CacheConfig.expiry_interval, seconds (default 30)")
     ap.add_argument("--sample-ids", type=int, default=None, help="IDs between two samples (default ids / 20)")
     ap.add_argument("--out", default=str(_ROOT / "bench" / "results"), help="results directory")
     args = ap.parse_args(argv)

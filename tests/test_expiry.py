@@ -298,3 +298,29 @@ def test_a_stream_of_new_ids_reaches_a_plateau(tmp_path: Path) -> None:
     # rows touched within the TTL (10 steps) stay, and at most the 5 steps since the last sweep
     assert all(n <= ttl + every * batch for n in sizes), sizes
     assert min(sizes[3:]) >= ttl // 2 and max(sizes[-5:]) <= max(sizes[2:7])  # level, not growing
+
+
+def test_a_row_touched_while_the_sweep_reads_its_old_touch_is_kept(tmp_path: Path, store: str) -> None:
+    """The sweep reads touches without the lock: a row touched (and moved out of memory again) after
+    its chunk was read must not be deleted on the stale touch."""
+    with EmbeddingCache(_config(tmp_path / "c", store), [_table()]) as cache:
+        _train(cache, torch.arange(40))
+        _advance(cache, TTL + 1)  # every trained row has expired
+        t = cache._tables["t"]
+        read = t.rows.scan_touches
+
+        def read_then_touch(start: int, limit: int) -> Any:
+            out = read(start, limit)
+            if start == -(2**63):  # meanwhile, another thread looks up row 5, then 40 others push it out
+                value.append(cache.lookup("t", [5]))
+                cache.lookup("t", torch.arange(100, 140).repeat(4))
+                assert 5 not in set(cache.resident_keys("t", "hbm").tolist()) | set(
+                    cache.resident_keys("t", "ddr").tolist())
+            return out
+
+        value: list[torch.Tensor] = []
+        t.rows.scan_touches = read_then_touch  # type: ignore[method-assign]
+        cache.expire_now()
+        t.rows.scan_touches = read
+        assert _stored(cache) == 1  # row 5, touched after its chunk was read
+        torch.testing.assert_close(cache.lookup("t", [5]), value[0], rtol=0, atol=0)

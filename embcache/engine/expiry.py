@@ -30,9 +30,9 @@ The :class:`Sweeper` (a daemon thread per cache, started when a table expires ro
 :func:`sweep` every ``CacheConfig.expiry_interval`` seconds: (1) expired, unpinned resident rows
 are dropped from the tiers (and their stored copies and touches deleted), vectorized, in chunks;
 (2) the side namespace is walked with a cursor in chunks of ``SWEEP_CHUNK`` keys, read without the
-lock; the expired candidates are checked again under the lock (touch re-read, not resident) and
-deleted from the row store (:meth:`StoreRows.delete`, the one path that deletes rows) and the side
-namespace, one batch per chunk. The table lock is held per chunk only.
+lock (touches written meanwhile are logged); under the lock, the expired candidates not touched
+since and not resident are deleted from the row store (:meth:`StoreRows.delete`, the one path that
+deletes rows) and the side namespace, ``DELETE_CHUNK`` keys per lock hold.
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ from .rows import expiry_meta
 if TYPE_CHECKING:
     from .table import TableEngine
 
-__all__ = ["SWEEP_CHUNK", "Expiry", "Sweeper", "TickTimes", "delete_keys", "flush_touches", "load", "save", "sweep",
-           "threshold", "touch_resident", "write_leaving_touches"]
+__all__ = ["DELETE_CHUNK", "SWEEP_CHUNK", "Expiry", "Sweeper", "TickTimes", "delete_keys", "flush_touches", "load",
+           "save", "sweep", "threshold", "touch_resident", "write_leaving_touches"]
 
-SWEEP_CHUNK = 65536  # keys examined (and at most deleted) per lock hold of a sweep
+SWEEP_CHUNK = 65536  # touches read per step of a sweep (without the lock)
+DELETE_CHUNK = 8192  # expired rows deleted per lock hold of a sweep
 _TIME_SAMPLES = 256  # tick-time samples per ttl_seconds: a row expires at most ~1/256 of it late
 _INT64_MAX = (1 << 63) - 1
 _INT64_MIN = -(1 << 63)
@@ -231,7 +232,7 @@ def _sweep_memory(t: TableEngine) -> None:
                 if tier.capacity == 0:
                     break
                 expired = tier.occupied & (tier.pins == 0) & (tier.last < threshold(t))
-                slots = torch.nonzero(expired).flatten()[:SWEEP_CHUNK]
+                slots = torch.nonzero(expired).flatten()[:DELETE_CHUNK]
                 if slots.numel() == 0:
                     break
                 keys = tier.keys.index_select(0, slots).cpu()
@@ -264,29 +265,41 @@ def _adopt(t: TableEngine) -> None:
 
 
 def _sweep_store(t: TableEngine) -> None:
-    """Walk the side namespace; delete the expired rows that are not resident, one batch per chunk."""
+    """Walk the side namespace; delete the expired rows that are not resident, in batches.
+
+    The touches are read without the lock, chunk by chunk; the keys whose touches are written
+    meanwhile (touched since) are logged (:meth:`StoreRows.watch_touches`), and under the lock an
+    expired candidate goes only if it was not touched since it was read and is not resident.
+    """
     assert t.expiry is not None
     start = _INT64_MIN
-    while True:
-        with t.lock:
-            t.check_open()
-            cut = threshold(t)
-        keys, ticks = t.rows.scan_touches(start, SWEEP_CHUNK)  # without the lock: a snapshot, checked below
-        cand = keys[ticks < cut]
-        if cand.size:
+    with t.lock:
+        t.rows.watch_touches()
+    try:
+        while True:
             with t.lock:
                 t.check_open()
-                found, now_ticks = t.rows.read_touches(cand)  # touched meanwhile?
-                gone = found & (now_ticks < threshold(t))
-                gone &= ~t.resident(torch.from_numpy(cand)).numpy()  # memory is authoritative
-                dead = cand[gone]
-                if dead.size:
-                    t.rows.delete(dead)
-                    t.rows.delete_touches(dead)
-                    t.stats.expiry.expired_store += int(dead.size)
-        if keys.size < SWEEP_CHUNK or keys[-1] == _INT64_MAX:
-            return
-        start = int(keys[-1]) + 1
+                cut = threshold(t)
+            keys, ticks = t.rows.scan_touches(start, SWEEP_CHUNK)  # without the lock: checked below
+            cand = keys[ticks < cut]
+            fresh = np.zeros(0, dtype=np.int64)  # keys touched since (at most) this chunk was read
+            for part in np.array_split(cand, -(-cand.size // DELETE_CHUNK)) if cand.size else ():
+                with t.lock:  # held for one batch of deletes
+                    t.check_open()
+                    fresh = np.union1d(fresh, t.rows.touched_since_watch())
+                    if fresh.size:  # touched after this chunk was read: kept (and checked again next sweep)
+                        part = part[~np.isin(part, fresh, assume_unique=True)]
+                    dead = part[~t.resident(torch.from_numpy(part)).numpy()] if part.size else part
+                    if dead.size:
+                        t.rows.delete(dead)
+                        t.rows.delete_touches(dead)
+                        t.stats.expiry.expired_store += int(dead.size)
+            if keys.size < SWEEP_CHUNK or keys[-1] == _INT64_MAX:
+                return
+            start = int(keys[-1]) + 1
+    finally:
+        with t.lock:
+            t.rows.unwatch_touches()
 
 
 class Sweeper:

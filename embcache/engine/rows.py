@@ -195,6 +195,7 @@ class StoreRows:
         self.table = cfg.name
         # the side namespace of last touches, kept only when the table's rows expire
         self.touches: str | None = touch_table(cfg.name) if cfg.expires else None
+        self._touch_log: list[np.ndarray] | None = None  # keys whose touches were written, while a sweep watches
         self.codec = codec
         self.stats = stats
         # store writes of this table so far: a change tells a cached read it may be stale
@@ -270,11 +271,28 @@ class StoreRows:
 
     # -- the side namespace of last touches (tables whose rows expire; see .expiry) ------------------
     def write_touches(self, keys: np.ndarray, ticks: np.ndarray) -> None:
-        """Record the last touch (int64 ``ticks``) of ``keys`` in one atomic batch (no-op without expiry)."""
+        """Record the last touch (int64 ``ticks``) of ``keys`` in one atomic batch (no-op without expiry);
+        logged for a sweep that watches (:meth:`watch_touches`)."""
         if self.touches is None or len(keys) == 0:
             return
+        keys = np.asarray(keys, dtype=np.int64)
         records = np.ascontiguousarray(ticks, dtype="<i8").view(np.uint8).reshape(-1, TOUCH_BYTES)
-        self.store.put_many(self.touches, np.asarray(keys, dtype=np.int64), records)
+        self.store.put_many(self.touches, keys, records)
+        if self._touch_log is not None:
+            self._touch_log.append(keys.copy())
+
+    def watch_touches(self) -> None:
+        """Start logging the keys whose touches are written (a sweep reads touches without the lock)."""
+        self._touch_log = []
+
+    def touched_since_watch(self) -> np.ndarray:
+        """The keys whose touches were written since :meth:`watch_touches` (sorted, unique); the log restarts."""
+        log, self._touch_log = self._touch_log or [], []
+        return np.unique(np.concatenate(log)) if log else np.zeros(0, dtype=np.int64)
+
+    def unwatch_touches(self) -> None:
+        """Stop logging touches."""
+        self._touch_log = None
 
     def read_touches(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(found bool [n], ticks int64 [n])`` of the last touches of ``keys`` (ticks 0 where not found)."""
