@@ -303,11 +303,6 @@ def _make_options(
     opts.set_level_compaction_dynamic_level_bytes(True)
     opts.set_bytes_per_sync(1 << 20)  # write back SST files gradually instead of in one burst
     opts.set_keep_log_file_num(5)
-    # Deleted rows (expiry, delete_many) leave tombstones that free no space until a compaction
-    # meets them with the rows' data: a file mostly of tombstones (half of any 16K entries) is
-    # marked for compaction at once. Without it, a stream of new IDs with a TTL kept its row count
-    # level but its bytes on disk grew like without one (bench/bench_expiry.py).
-    opts.add_compact_on_deletion_collector_factory(16384, 8192, 0.5)
     # Float weights barely compress; LZ4 is cheap enough to keep for the zero-heavy optimizer state.
     opts.set_compression_type(rocksdict.DBCompressionType.lz4())
     table = rocksdict.BlockBasedOptions()
