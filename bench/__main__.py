@@ -100,6 +100,8 @@ SUITE = (
           "index_select (skipped without CUDA)"),
     Bench("halflife", "bench_halflife.py", "halflife", in_quick=False, what="LRFU half-life sweep: HBM hit ratio "
           "at 10x, 40x, 160x the rows"),
+    Bench("expiry", "bench_expiry.py", "expiry", what="store rows and bytes over a stream of 10M new IDs with and "
+          "without TableConfig.ttl_steps; sweep rate; lookup latency while a sweep runs"),
     Bench("big", "bench_big.py", "big", in_quick=False, what="a table ~2x RAM (~45 GB on disk) trained with RSS "
           "within the tier budgets + 1 GiB"),
 )

@@ -39,8 +39,9 @@ import torch
 
 from .config import CacheConfig, TableConfig
 from .engine import catalog, durability, export, update
+from .engine.expiry import Sweeper
 from .engine.passes import Passes, all_locked
-from .engine.rows import ReaderPool
+from .engine.rows import TOUCH_BYTES, ReaderPool
 from .engine.stats import table_report
 from .engine.table import TableEngine
 from .errors import (
@@ -108,6 +109,7 @@ class EmbeddingCache:
             self._readers = ReaderPool()  # store reads overlapped with placement
             self._export_lock = threading.Lock()  # one export at a time (each closes an epoch)
             self._passes = Passes(self._tables, self._global_lock, self._device)
+            self._sweeper = Sweeper(self._tables, config.expiry_interval)  # started once a table expires rows
             configs = catalog.merged_definitions(self._store, list(tables))
             for cfg in configs:
                 self._add_table(cfg, *catalog.tier_rows(config, cfg, configs))
@@ -117,6 +119,8 @@ class EmbeddingCache:
             raise
         self._closed = False
         _OPEN_CACHES.add(self)
+        if any(cfg.expires for cfg in configs):
+            self._sweeper.start()
 
     # ------------------------------------------------------------------ opening and closing
     def _release(self) -> None:
@@ -131,6 +135,8 @@ class EmbeddingCache:
         assert self._store is not None
         t = TableEngine(cfg, hbm_rows, ddr_rows, self._config, self._policy, self._store, self._readers)
         self._store.open_table(cfg.name, t.record_bytes)
+        if t.rows.touches is not None:
+            self._store.open_table(t.rows.touches, TOUCH_BYTES)
         t.load_saved()
         self._tables[cfg.name] = t
 
@@ -166,6 +172,8 @@ class EmbeddingCache:
                 t.resize(*catalog.tier_rows(self._config, t.cfg, configs))
             self._add_table(cfg, *catalog.tier_rows(self._config, cfg, configs))
             catalog.save_definitions(self._store, configs)
+        if cfg.expires:
+            self._sweeper.start()
         return True
 
     def close(self) -> None:
@@ -173,6 +181,7 @@ class EmbeddingCache:
         if self._closed:
             return
         self._passes.stop()
+        self._sweeper.stop()  # before the locks: a sweep takes a table lock per chunk
         with self._all_tables():
             if self._closed:
                 return
@@ -574,10 +583,31 @@ class EmbeddingCache:
             t.check_open()
             t.import_records(k, records, freq, refresh)
 
-    def delete_rows(self, table: str, keys: Any) -> None:
-        """Delete the rows of ``keys`` from every tier and the store (e.g. after they moved to another shard).
+    def delete(self, table: str, keys: Any) -> int:
+        """Delete the rows of ``keys`` from every tier (rows pinned by a pass, prefetch or lease
+        too), from the store, and their last touches (expiry); a later lookup of such a key
+        gets its initializer's row afresh.
 
-        A later lookup of such a key creates its row afresh.
+        Args:
+            table: table name.
+            keys: int64 [n] (duplicates allowed; keys without a row are ignored).
+
+        Returns:
+            How many of the distinct keys had a row (resident or stored).
+
+        Raises:
+            UnknownTableError, InvalidKeysError, BatchTooLargeError, CacheClosedError,
+            StoreError (nothing was dropped from memory).
+        """
+        t = self._table(table)
+        k = torch.unique(checked_keys(keys, self._config.max_batch_keys))
+        with t.lock:
+            t.check_open()
+            return t.delete(k)
+
+    def delete_rows(self, table: str, keys: Any) -> None:
+        """:meth:`delete` without the count (the store is not read to tell which keys had rows),
+        e.g. after the rows moved to another shard.
 
         Raises:
             UnknownTableError, InvalidKeysError, CacheClosedError, StoreError.
@@ -586,7 +616,17 @@ class EmbeddingCache:
         k = torch.unique(checked_keys(keys, self._config.max_batch_keys))
         with t.lock:
             t.check_open()
-            t.delete(k)
+            t.delete(k, count=False)
+
+    def expire_now(self) -> None:
+        """Run one expiry sweep of every table whose rows expire, now, and wait for it (the
+        background sweeper runs one every ``CacheConfig.expiry_interval`` seconds).
+
+        Raises:
+            CacheClosedError, StoreError.
+        """
+        check_open(self._closed)
+        self._sweeper.sweep_all()
 
     # ------------------------------------------------------------------ exports
     def _engines(self, tables: Sequence[str] | None) -> dict[str, TableEngine]:

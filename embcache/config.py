@@ -68,6 +68,13 @@ class TableConfig:
             admitted a little early, never late); the counts are saved with the frequencies.
         unadmitted: what a lookup of a key not admitted yet returns: "init" (the initializer's
             row, which the key would start from) or "zeros".
+        ttl_steps: expiry: a row not touched (looked up or updated) for more than this many
+            steps of the table's clock is deleted from every tier and the store by the cache's
+            background sweeper (0: off, the default). A step is one key occurrence looked up in
+            this table (a lookup of a batch of n keys advances the clock by n), the same clock
+            the eviction policy ages by. See ``stats()[table]["expiry"]``.
+        ttl_seconds: expiry by wall time: a row not touched for more than this many seconds is
+            deleted (0: off). With both set, a row expires when either is exceeded.
     """
 
     name: str
@@ -86,6 +93,8 @@ class TableConfig:
     memory_share: float = 1.0
     admit_after: int = 0
     unadmitted: str = "init"
+    ttl_steps: int = 0
+    ttl_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 128:
@@ -125,6 +134,18 @@ class TableConfig:
             raise ConfigError(f"TableConfig.admit_after={self.admit_after!r}: must be an int >= 0")
         if self.unadmitted not in ("init", "zeros"):
             raise ConfigError(f"TableConfig.unadmitted={self.unadmitted!r}: choose 'init' or 'zeros'")
+        if not isinstance(self.ttl_steps, int) or isinstance(self.ttl_steps, bool) or not 0 <= self.ttl_steps < 2**62:
+            raise ConfigError(f"TableConfig.ttl_steps={self.ttl_steps!r}: must be an int >= 0 (0: no expiry)")
+        if isinstance(self.ttl_seconds, bool) or not isinstance(self.ttl_seconds, (int, float)) or not (
+                math.isfinite(self.ttl_seconds) and self.ttl_seconds >= 0):
+            raise ConfigError(f"TableConfig.ttl_seconds={self.ttl_seconds!r}: must be a finite number >= 0 "
+                              "(0: no expiry)")
+        object.__setattr__(self, "ttl_seconds", float(self.ttl_seconds))
+
+    @property
+    def expires(self) -> bool:
+        """Whether rows of this table expire (``ttl_steps`` or ``ttl_seconds`` set)."""
+        return self.ttl_steps > 0 or self.ttl_seconds > 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -236,6 +257,9 @@ class CacheConfig:
             ``unadmitted`` row ("init" or "zeros") and caches nothing: only rows the store
             holds enter memory, and no lookup changes what the cache holds beyond moving
             stored rows between tiers (serving mode, :mod:`embcache.server.serving`).
+        expiry_interval: seconds between two sweeps of the background sweeper that deletes
+            expired rows (tables with ``TableConfig.ttl_steps`` or ``ttl_seconds``); > 0.
+            ``EmbeddingCache.expire_now()`` runs one sweep at once.
     """
 
     hbm_bytes: int | None = None
@@ -256,6 +280,7 @@ class CacheConfig:
     mrc_sample_rate: float | None = None
     tune_policy: bool = True
     lookups_create_rows: bool = True
+    expiry_interval: float = 60.0
 
     def __post_init__(self) -> None:
         kind = _enum_value(StoreKind, self.store, "CacheConfig.store")
@@ -285,6 +310,9 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.eviction_sample={self.eviction_sample!r}: must be >= 1")
         if self.mrc_sample_rate is not None and not 0.0 <= self.mrc_sample_rate <= 1.0:
             raise ConfigError(f"CacheConfig.mrc_sample_rate={self.mrc_sample_rate!r}: must be None or in [0, 1]")
+        if isinstance(self.expiry_interval, bool) or not isinstance(self.expiry_interval, (int, float)) or not (
+                math.isfinite(self.expiry_interval) and self.expiry_interval > 0):
+            raise ConfigError(f"CacheConfig.expiry_interval={self.expiry_interval!r}: must be a finite number > 0")
         if self.max_batch_keys < 1:
             raise ConfigError(f"CacheConfig.max_batch_keys={self.max_batch_keys!r}: must be >= 1")
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):

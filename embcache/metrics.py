@@ -154,6 +154,7 @@ class CacheCollector(Collector):
             for table, s in stats.items():
                 fam.add_metric([table], s.get("admission", {}).get(field, 0))
             yield fam
+        yield from _expiry_metrics(stats)
         yield from _ssd_latency(stats)
         yield from _pass_metrics(stats)
         yield from _mrc_metrics(stats)
@@ -188,6 +189,33 @@ def _tier_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         for tier in ("hbm", "ddr", "ssd"):
             seconds.add_metric([table, tier], s[tier]["seconds"])
     yield seconds
+
+
+def _expiry_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Rows removed by expiry (``TableConfig.ttl_steps`` / ``ttl_seconds``) and by ``delete``, and the sweeps."""
+    expired = CounterMetricFamily("embcache_expired_rows",
+                                  "Rows expired (not touched within the table's TTL) and deleted, by where they were "
+                                  "found: hbm or ddr (resident), ssd (only in the store)", labels=["table", "tier"])
+    deleted = CounterMetricFamily("embcache_deleted_rows", "Rows that existed and were removed by delete()",
+                                  labels=["table"])
+    sweeps = CounterMetricFamily("embcache_expiry_sweeps", "Expiry sweeps of the table", labels=["table"])
+    busy = CounterMetricFamily("embcache_expiry_sweep_seconds", "Time spent in expiry sweeps", labels=["table"])
+    last = GaugeMetricFamily("embcache_expiry_last_sweep_seconds", "Duration of the table's last expiry sweep",
+                             labels=["table"])
+    errors = CounterMetricFamily("embcache_expiry_sweep_errors", "Expiry sweeps that failed (the store failed)",
+                                 labels=["table"])
+    for table, s in stats.items():
+        e = s.get("expiry")
+        if not e:
+            continue
+        for tier, field in (("hbm", "expired_hbm"), ("ddr", "expired_ddr"), ("ssd", "expired_store")):
+            expired.add_metric([table, tier], e[field])
+        deleted.add_metric([table], e["deleted"])
+        sweeps.add_metric([table], e["sweeps"])
+        busy.add_metric([table], e["sweep_seconds"])
+        last.add_metric([table], e["last_sweep_seconds"])
+        errors.add_metric([table], e["errors"])
+    yield from (fam for fam in (expired, deleted, sweeps, busy, last, errors) if fam.samples)
 
 
 def _ssd_latency(stats: dict[str, Any]) -> Iterator[Metric]:

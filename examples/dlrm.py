@@ -383,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export the tables here (embcache's open format: a full version, then deltas)")
     p.add_argument("--export-every", type=_positive, default=1,
                    help="with --export-dir: export after every N training passes (default 1)")
+    p.add_argument("--ttl-steps", type=int, default=0,
+                   help="expiry (cache modes): a row not looked up or updated for this many steps of its table's "
+                        "clock (one step per id looked up in the table; a batch moves it --batch steps) is deleted "
+                        "from memory and the store; a sweep runs after each pass (default 0: rows never expire)")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -515,8 +519,12 @@ class Trainer:
         self.touched = _union(self.keysets)
         if args.admit_after and args.mode == "torch":
             raise SystemExit("--admit-after needs a cache mode (the torch mode keeps every row)")
+        if args.ttl_steps and args.mode == "torch":
+            raise SystemExit("--ttl-steps needs a cache mode (the torch mode keeps every row)")
+        if args.ttl_steps < 0:
+            raise SystemExit("--ttl-steps must be >= 0")
         tables = [TableConfig(name=t, dim=args.dim, optimizer=args.emb_optimizer, lr=args.emb_lr, seed=i + 1,
-                              admit_after=args.admit_after) for i, t in enumerate(TABLES)]
+                              admit_after=args.admit_after, ttl_steps=args.ttl_steps) for i, t in enumerate(TABLES)]
         self.row_bytes = resident_row_bytes(args.dim, torch.float32,
                                             1 if args.emb_optimizer == "rowwise_adagrad" else args.dim)
         hbm_bytes, ddr_bytes, shares = _memory_plan(self.keysets, self.row_bytes)
@@ -621,6 +629,8 @@ class Trainer:
         row.loss_sum = float(loss_acc)
         if self.passes_on and cache is not None:
             self._write_backs.append(cache.end_pass())
+        if self.args.ttl_steps and cache is not None:
+            cache.expire_now()  # rows not touched for --ttl-steps go (unpinned: the pass has ended)
         row.seconds = time.perf_counter() - t0
         if self.args.export_dir and cache is not None and (p + 1) % self.args.export_every == 0:
             self._export(cache, p)
@@ -707,6 +717,9 @@ class Trainer:
                            for k in ("unadmitted_lookups", "dropped_updates", "admitted_rows")}
                           if final_stats else {}),
             "exports": self.exports,
+            "expiry": ({k: sum(s["expiry"][k] for s in final_stats.values())
+                        for k in ("expired_hbm", "expired_ddr", "expired_store", "sweeps")}
+                       if final_stats else {}),
             "seconds": {**self.seconds, "eval": time.perf_counter() - t_eval,
                         "total": time.perf_counter() - self.t_start},
         }

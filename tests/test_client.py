@@ -1101,3 +1101,30 @@ def test_a_single_server_reached_at_another_address_is_still_that_server(tmp_pat
             assert second.servers == {alias: alias}
     finally:
         server.stop()
+
+
+def test_delete_reaches_the_shards_that_own_the_keys_and_counts_the_rows(three_shards: list[LocalServer]) -> None:
+    """Client.delete: one Delete per shard owning keys; the rows go (a lookup gets the initializer's row
+    again), the count is of distinct keys that had a row, the write receipts settle at flush; a table
+    with a TTL carries it to every shard."""
+    (base,) = _tables((4, "sgd"))
+    cfg = TableConfig(**{**base.to_dict(), "ttl_steps": 10**9})
+    with Client([s.address for s in three_shards]) as c:
+        c.create_table(cfg)
+        assert all(st[cfg.name]["expiry"]["ttl_steps"] == 10**9 for st in c.shard_stats())
+        keys = np.arange(60, dtype=np.int64)
+        fresh = c.lookup(cfg.name, keys)
+        c.assign(cfg.name, keys, torch.ones(60, 4))
+        before = [_rpc_count(s, "Delete") for s in three_shards]
+        assert c.delete(cfg.name, np.concatenate([keys[:30], keys[:5], [10**6]])) == 30
+        assert [_rpc_count(s, "Delete") - b for s, b in zip(three_shards, before, strict=True)] == [1, 1, 1]
+        assert c.delete(cfg.name, keys[:30]) == 0 and c.delete(cfg.name, []) == 0
+        got = c.lookup(cfg.name, keys)
+        torch.testing.assert_close(got[:30], fresh[:30], rtol=0, atol=0)
+        assert bool((got[30:] == 1).all())
+        assert sum(st[cfg.name]["expiry"]["deleted"] for st in c.shard_stats()) == 30
+        c.flush()  # the Delete receipts settle like any write's
+        with pytest.raises(UnknownTableError):
+            c.delete("no-such-table", [1])
+        with pytest.raises(InvalidKeysError):
+            c.delete(cfg.name, np.array([1.5]))

@@ -153,6 +153,18 @@ def test_embedded_example_trains(tmp_path: Any, capsys: pytest.CaptureFixture[st
     assert os.listdir(tmp_path / "cache")  # the store lives where --path says
 
 
+def test_dlrm_with_a_ttl_expires_rows_and_still_trains(data_dir: str, tmp_path: Any) -> None:
+    summary = dlrm.run(dlrm.build_parser().parse_args(
+        [*TINY, "--mode", "cache-nopass", "--ttl-steps", "2000", "--data", data_dir, "--path", str(tmp_path / "a")]))
+    check_counts(summary)
+    exp = summary["expiry"]
+    assert exp["sweeps"] >= 26 * 3 and exp["expired_hbm"] + exp["expired_ddr"] + exp["expired_store"] > 0
+    assert summary["last_pass_loss"] < summary["first_pass_loss"]
+    with pytest.raises(SystemExit, match="cache mode"):
+        dlrm.run(dlrm.build_parser().parse_args([*TINY, "--mode", "torch", "--ttl-steps", "5", "--data", data_dir,
+                                                 "--path", str(tmp_path / "b")]))
+
+
 def test_dlrm_with_admission_trains_and_counts_what_it_kept_out(data_dir: str, tmp_path: Any) -> None:
     summary = dlrm.run(dlrm.build_parser().parse_args(
         [*TINY, "--mode", "cache-nopass", "--admit-after", "2", "--data", data_dir, "--path", str(tmp_path / "a")]))

@@ -32,7 +32,7 @@ START_TIMEOUT = 300
 METHODS = {m.name: m for m in pb.DESCRIPTOR.services_by_name["EmbeddingCacheService"].methods}
 KEYS = np.arange(16, dtype=np.int64)
 RW_TOKEN, RO_TOKEN = "fuzz-rw", "fuzz-ro"
-CASES_PER_METHOD = 60  # x 25 methods: 1,500 cases, plus the fixed malformed ones
+CASES_PER_METHOD = 60  # x 26 methods: 1,560 cases, plus the fixed malformed ones
 
 
 def _t(values: Any, dtype: Any = np.int64) -> pb.Tensor:
@@ -57,6 +57,7 @@ def _seeds() -> dict[str, list[list[bytes]]]:
                    pb.LookupRequest(tables=[pb.TableKeys(table="fuzz", keys=_t(KEYS, np.int32))])],
         "ApplyGradients": [pb.ApplyGradientsRequest(tables=[_values()])],
         "Assign": [pb.AssignRequest(tables=[_values()])],
+        "Delete": [pb.DeleteRequest(tables=[pb.TableKeys(table="fuzz", keys=_t(KEYS[:4]))])],
         "Prefetch": [pb.PrefetchRequest(keysets=[_keyset()], wait=True)],
         "BeginPass": [pb.BeginPassRequest(keysets=[_keyset()])],
         "EndPass": [pb.EndPassRequest(wait=True)],
@@ -107,8 +108,8 @@ def _generated(name: str, rng: random.Random) -> list[bytes]:
     table = rng.choice(["fuzz", "fuzz", "nope", "", "f\u00fczz"])
     kind = METHODS[name].input_type.name
     msg: Any
-    if kind == "LookupRequest":
-        msg = pb.LookupRequest(tables=[pb.TableKeys(table=table, keys=_hostile_tensor(rng))])
+    if kind in ("LookupRequest", "DeleteRequest"):
+        msg = getattr(pb, kind)(tables=[pb.TableKeys(table=table, keys=_hostile_tensor(rng))])
     elif kind in ("ApplyGradientsRequest", "AssignRequest"):
         values = pb.TableValues(table=table, keys=_hostile_tensor(rng), values=_hostile_tensor(rng))
         msg = getattr(pb, kind)(tables=[values])

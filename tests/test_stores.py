@@ -156,6 +156,30 @@ def test_scan_order_and_completeness(store: Store, batch_rows: int) -> None:
     assert store.count("t") == len(keys)
 
 
+def test_scan_from_resumes_where_a_cursor_left_off(store: Store) -> None:
+    rng = np.random.default_rng(3)
+    keys = np.unique(np.concatenate([rng.integers(I64.min, I64.max, 300, dtype=np.int64, endpoint=True),
+                                     EXTREME_KEYS]))
+    store.open_table("t", 6)
+    store.put_many("t", keys, records_for(keys, 6))
+    got, start = [], int(I64.min)
+    while True:
+        k, r = store.scan_from("t", start, 37)
+        assert k.size <= 37 and r.shape == (k.size, 6) and (k >= start).all()
+        np.testing.assert_array_equal(r, records_for(k, 6))
+        got.append(k)
+        if k.size < 37 or k[-1] == I64.max:
+            break
+        start = int(k[-1]) + 1
+    np.testing.assert_array_equal(np.concatenate(got), keys)
+    mid = int(keys[len(keys) // 2])
+    np.testing.assert_array_equal(store.scan_from("t", mid, 5)[0], keys[len(keys) // 2:len(keys) // 2 + 5])
+    with pytest.raises(ValueError):
+        store.scan_from("t", 0, 0)
+    with pytest.raises(UnknownTableError):
+        store.scan_from("nope", 0, 1)
+
+
 def test_scan_empty_table_and_bad_batch(store: Store) -> None:
     store.open_table("t", 3)
     assert list(store.scan("t")) == []

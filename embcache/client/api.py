@@ -384,6 +384,23 @@ class Client:
                 raise InvalidRowsError("rows contain NaN or inf; nothing was assigned")
         routing.write(self._transport, self._receipts, "Assign", batch, pb.AssignRequest)
 
+    def delete(self, table: str, keys: Any) -> int:
+        """Delete the rows of ``keys`` from every tier and the store of the shards that own them
+        (see :meth:`EmbeddingCache.delete`); a later lookup gets the initializer's row afresh.
+
+        Never resent after a failure that may have reached the server.
+
+        Returns:
+            How many of the distinct keys had a row.
+
+        Raises:
+            UnknownTableError, InvalidKeysError, BatchTooLargeError, StoreError,
+            UnavailableError (may or may not be applied), DeadlineExceededError.
+        """
+        self._dims([table])
+        keys = np.unique(self._keys(keys))
+        return routing.delete(self._transport, self._receipts, {table: keys})[table]
+
     # ------------------------------------------------------------------ passes
     def prefetch(self, keysets: Mapping[str, Keyset | Any]) -> RemoteFuture:
         """Stage the rows of the next pass on every shard in the background.

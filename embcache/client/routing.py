@@ -115,7 +115,8 @@ def chunks(parts: list[Part], row_bytes: Mapping[str, int], max_message: int) ->
 
 
 def send(transport: Transport, batch: Batch, row_bytes: Mapping[str, int], method: str, idempotent: bool,
-         encode: Callable[[list[Part]], bytes], stream: Callable[[list[Part]], Message] | None, done: Done) -> None:
+         encode: Callable[[list[Part]], bytes | Message], stream: Callable[[list[Part]], Message] | None,
+         done: Done) -> None:
     """Send a keyed batch to the shards that own its keys, routing again what a shard refused by its map.
 
     Each shard's part is cut into requests within the message limit: ``encode(chunk)`` makes a
@@ -254,6 +255,28 @@ def write(transport: Transport, receipts: Receipts, method: str, batch: Mapping[
              pb.TableValues(table=p.table, keys=codec.encode_tensor(p.keys), values=codec.encode_tensor(values(p)))
              for p in chunk]),
          done=keep)
+
+
+def delete(transport: Transport, receipts: Receipts, batch: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Delete the rows of checked, unique keys (``{table: int64 [n]}``) on the shards that own them; per
+    table, how many had a row. Each applied request's receipt is kept.
+
+    Raises:
+        The errors of :func:`send` (a shard's part may be deleted while another's failed).
+    """
+    counts = dict.fromkeys(batch, 0)
+
+    def keep(calls: list[Call], layouts: list[list[Part]], replies: list[Reply]) -> None:
+        for (shard, _, _), reply in zip(calls, replies, strict=True):
+            receipts.add(shard.name, reply.receipt.incarnation, reply.receipt.seq)
+            for tc in reply.tables:
+                counts[tc.table] += int(tc.rows)
+
+    send(transport, {t: (k, None) for t, k in batch.items()}, dict.fromkeys(batch, 8), "Delete", idempotent=False,
+         encode=lambda chunk: pb.DeleteRequest(tables=[pb.TableKeys(table=p.table, keys=codec.encode_tensor(p.keys))
+                                                       for p in chunk]),
+         stream=None, done=keep)
+    return counts
 
 
 def keyset_calls(transport: Transport, keysets: Mapping[str, Keyset | Any], method: str,

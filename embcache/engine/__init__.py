@@ -4,6 +4,7 @@
   and its operations: the lookup path, staging, ``modify``, ``arrange``, pins, resize;
 - :mod:`.update`: gradients applied where each row lives; ``assign``;
 - :mod:`.admission`: admission of new keys (``TableConfig.admit_after``);
+- :mod:`.expiry`: expiry of rows (``TableConfig.ttl_steps``, ``ttl_seconds``): touches, the sweeper, deletion;
 - :mod:`.placement`: moves between tiers planned as a :class:`~.placement.Plan`, carried out by
   one :func:`~.placement.commit`;
 - :mod:`.rows`: rows to and from the store: the record format, counted reads and writes, the

@@ -24,8 +24,9 @@ from ..errors import CheckpointExistsError, ConfigError, StoreLockedError
 from ..hostmem import trim_heap
 from ..optim import state_width
 from ..stores import Store, open_store
+from . import expiry
 from .changes import MARK_BYTES, marks_table
-from .rows import record_bytes, table_meta_names
+from .rows import TOUCH_BYTES, record_bytes, table_meta_names, touch_table
 from .table import TableEngine
 
 __all__ = ["STORE_DIR", "PathLock", "check_checkpoint_target", "flush", "read_manifest", "restore_store",
@@ -83,6 +84,7 @@ def flush(tables: Mapping[str, TableEngine], store: Store, save_frequencies: boo
     store durable (every table lock held)."""
     for name in sorted(tables):
         t = tables[name]
+        expiry.flush_touches(t)  # touches since the last flush, before the rows (rows expiring only)
         t.write_dirty()
         if save_frequencies:
             t.save_frequencies()
@@ -159,7 +161,8 @@ def _copy_store(manifest: dict[str, Any], source: str, config: CacheConfig, targ
         for d in manifest["tables"]:
             tcfg = TableConfig.from_dict(d)
             copies = [(tcfg.name, record_bytes(tcfg.dim, tcfg.torch_dtype, state_width(tcfg.optimizer, tcfg.dim))),
-                      (marks_table(tcfg.name), MARK_BYTES)]  # the change marks of delta exports, if any
+                      (marks_table(tcfg.name), MARK_BYTES),  # the change marks of delta exports, if any
+                      (touch_table(tcfg.name), TOUCH_BYTES)]  # the last touches of an expiring table
             for table, width in copies:
                 if table not in present:
                     continue

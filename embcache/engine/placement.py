@@ -27,6 +27,7 @@ import torch
 
 from ..keyset import Keyset
 from ..tier import MemoryTier, RowBatch, ScoreOf, to_device
+from . import expiry
 from .rows import StagedRead, merge_in_order
 
 if TYPE_CHECKING:
@@ -64,7 +65,9 @@ def _empty(device: torch.device | None = None) -> torch.Tensor:
 
 
 def write_leaving(t: TableEngine, leaving: RowBatch) -> None:
-    """Step 1 of a commit: write the dirty rows of ``leaving`` to the store (may raise; nothing moved)."""
+    """Step 1 of a commit: write the dirty rows of ``leaving`` to the store, after the touches of
+    all of them where the table's rows expire (may raise; nothing moved)."""
+    expiry.write_leaving_touches(t, leaving)
     t.rows.write(leaving.select(leaving.dirty))
 
 
@@ -94,6 +97,7 @@ def commit(t: TableEngine, plan: Plan, read: StagedRead | None = None) -> RowBat
         write_leaving(t, RowBatch.cat([dv, d_out]))
         t.complete(read)  # the staged rows' values: the read ran while the caller planned
         s_out = plan.staged.select(plan.staged_out)
+        expiry.write_leaving_touches(t, s_out)  # looked up, staying out: touched
     staged = plan.staged
     p_rows = t.ddr.read(plan.up)
     t.hbm.remove(plan.hbm_victims)

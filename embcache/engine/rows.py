@@ -6,7 +6,9 @@ the row's weights in the table's dtype followed by its float32 optimizer state
 (:func:`record_bytes` wide); a key the store lacks gets its initializer's row.
 
 The store's metadata names (the table definitions, each table's frequency sketch and clock)
-are defined here too, once.
+are defined here too, once, and so is the name of a table's side namespace of last touches
+(``~touch/<table>``: key -> int64 tick, kept only for a table whose rows expire; see
+:mod:`.expiry`), which :class:`StoreRows` reads, writes and deletes beside the rows.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from ..tier import RowBatch
 from .changes import Changes, export_meta
 from .stats import SsdStats
 
-__all__ = ["META_TABLES", "Read", "ReaderPool", "RecordCodec", "StagedRead", "StoreRows", "admission_meta",
-           "clean_rows", "clock_meta", "merge_in_order", "record_bytes", "sketch_meta", "table_meta_names"]
+__all__ = ["META_TABLES", "TOUCH_BYTES", "Read", "ReaderPool", "RecordCodec", "StagedRead", "StoreRows",
+           "admission_meta", "clean_rows", "clock_meta", "expiry_meta", "merge_in_order", "record_bytes",
+           "sketch_meta", "table_meta_names", "touch_owner", "touch_table"]
 
 META_TABLES = "tables"  # the JSON list of every table's definition
 
@@ -49,6 +52,25 @@ def clock_meta(table: str) -> str:
     return f"clock/{table}"
 
 
+def expiry_meta(table: str) -> str:
+    """Metadata name of ``table``'s saved expiry state (clock at the last flush, tick times, adoption)."""
+    return f"expiry/{table}"
+
+
+_TOUCH_PREFIX = "~touch/"
+TOUCH_BYTES = 8  # a touch record: the int64 tick of the row's last touch
+
+
+def touch_table(table: str) -> str:
+    """Name of the store table holding ``table``'s last touches (the side namespace of expiry)."""
+    return _TOUCH_PREFIX + table
+
+
+def touch_owner(store_table: str) -> str | None:
+    """The table whose touches ``store_table`` holds, or None if it is not a touch table."""
+    return store_table[len(_TOUCH_PREFIX):] if store_table.startswith(_TOUCH_PREFIX) else None
+
+
 def table_meta_names(tables: Iterable[str]) -> Iterator[str]:
     """Every metadata name a store holds for ``tables`` (what a copy of the store must carry)."""
     yield META_TABLES
@@ -57,6 +79,7 @@ def table_meta_names(tables: Iterable[str]) -> Iterator[str]:
         yield clock_meta(name)
         yield admission_meta(name)
         yield export_meta(name)
+        yield expiry_meta(name)
 
 
 def record_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
@@ -174,6 +197,9 @@ class StoreRows:
     def __init__(self, store: Store, cfg: TableConfig, codec: RecordCodec, stats: SsdStats) -> None:
         self.store = store
         self.table = cfg.name
+        # the side namespace of last touches, kept only when the table's rows expire
+        self.touches: str | None = touch_table(cfg.name) if cfg.expires else None
+        self._touch_log: list[np.ndarray] | None = None  # keys whose touches were written, while a sweep watches
         self.codec = codec
         self.stats = stats
         # store writes of this table so far: a change tells a cached read it may be stale
@@ -203,6 +229,15 @@ class StoreRows:
         st.read_bytes += n_found * self.codec.record_bytes
         st.seconds += read.seconds
         st.read_latency.observe(read.seconds)
+
+    def stored(self, keys: torch.Tensor) -> torch.Tensor:
+        """Bool [n]: which of the CPU ``keys`` the store holds (a counted read)."""
+        t0 = time.perf_counter()
+        found, _ = self.store.get_many(self.table, keys.numpy())
+        found = np.asarray(found, dtype=bool)
+        fmask = torch.from_numpy(found)
+        self.count(Read(found, torch.empty(0), torch.empty(0), fmask, time.perf_counter() - t0))
+        return fmask
 
     def read_counted(self, keys: torch.Tensor) -> Read:
         """:meth:`read` and :meth:`count` in one."""
@@ -243,6 +278,48 @@ class StoreRows:
         self.store.delete_many(self.table, keys)
         self._logged(keys)
 
+    # -- the side namespace of last touches (tables whose rows expire; see .expiry) ------------------
+    def write_touches(self, keys: np.ndarray, ticks: np.ndarray) -> None:
+        """Record the last touch (int64 ``ticks``) of ``keys`` in one atomic batch (no-op without expiry);
+        logged for a sweep that watches (:meth:`watch_touches`)."""
+        if self.touches is None or len(keys) == 0:
+            return
+        keys = np.asarray(keys, dtype=np.int64)
+        records = np.ascontiguousarray(ticks, dtype="<i8").view(np.uint8).reshape(-1, TOUCH_BYTES)
+        self.store.put_many(self.touches, keys, records)
+        if self._touch_log is not None:
+            self._touch_log.append(keys.copy())
+
+    def watch_touches(self) -> None:
+        """Start logging the keys whose touches are written (a sweep reads touches without the lock)."""
+        self._touch_log = []
+
+    def touched_since_watch(self) -> np.ndarray:
+        """The keys whose touches were written since :meth:`watch_touches` (sorted, unique); the log restarts."""
+        log, self._touch_log = self._touch_log or [], []
+        return np.unique(np.concatenate(log)) if log else np.zeros(0, dtype=np.int64)
+
+    def unwatch_touches(self) -> None:
+        """Stop logging touches."""
+        self._touch_log = None
+
+    def read_touches(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(found bool [n], ticks int64 [n])`` of the last touches of ``keys`` (ticks 0 where not found)."""
+        assert self.touches is not None
+        found, records = self.store.get_many(self.touches, np.asarray(keys, dtype=np.int64))
+        return np.asarray(found, dtype=bool), _ticks(records)
+
+    def scan_touches(self, start: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``limit`` ``(keys, ticks)`` of the side namespace from key ``start`` on, ascending."""
+        assert self.touches is not None
+        keys, records = self.store.scan_from(self.touches, start, limit)
+        return keys, _ticks(records)
+
+    def delete_touches(self, keys: np.ndarray) -> None:
+        """Forget the last touches of ``keys`` (after their rows were deleted; no-op without expiry)."""
+        if self.touches is not None and len(keys):
+            self.store.delete_many(self.touches, keys)
+
     def _logged(self, keys: np.ndarray) -> None:
         if self._watchers:  # a prefetch is reading the store without the lock: tell it what changed
             self._log.append(torch.from_numpy(np.array(keys, dtype=np.int64)))
@@ -272,6 +349,11 @@ class StoreRows:
             found = np.asarray(found, dtype=bool)
             if found.any():
                 yield part[found], np.asarray(records)[found]
+
+
+def _ticks(records: np.ndarray) -> np.ndarray:
+    """int64 ticks of touch records (uint8 [n, TOUCH_BYTES])."""
+    return np.ascontiguousarray(records).view("<i8").reshape(-1).astype(np.int64)
 
 
 class ReaderPool:

@@ -10,7 +10,7 @@ from ..metrics import LatencyHistogram
 if TYPE_CHECKING:
     from .table import TableEngine
 
-__all__ = ["SsdStats", "TableStats", "TierStats", "table_report"]
+__all__ = ["ExpiryStats", "SsdStats", "TableStats", "TierStats", "table_report"]
 
 
 @dataclass
@@ -39,6 +39,21 @@ class SsdStats:
 
 
 @dataclass
+class ExpiryStats:
+    """Rows removed by expiry (``TableConfig.ttl_steps`` / ``ttl_seconds``) and by ``delete``."""
+
+    expired_hbm: int = 0  # resident rows expired from HBM (their stored copies deleted too)
+    expired_ddr: int = 0  # resident rows expired from DDR
+    expired_store: int = 0  # keys expired from the store (not resident; by their stored touch)
+    deleted: int = 0  # rows that existed and were removed by delete()
+    adopted_rows: int = 0  # stored rows given a touch of now (stored before expiry was on)
+    sweeps: int = 0
+    sweep_seconds: float = 0.0
+    last_sweep_seconds: float = 0.0
+    errors: int = 0  # sweeps that failed (the store failed; the next one tries again)
+
+
+@dataclass
 class TableStats:
     lookups: int = 0
     updates: int = 0
@@ -56,6 +71,7 @@ class TableStats:
     hbm: TierStats = field(default_factory=TierStats)
     ddr: TierStats = field(default_factory=TierStats)
     ssd: SsdStats = field(default_factory=SsdStats)
+    expiry: ExpiryStats = field(default_factory=ExpiryStats)
 
 
 def table_report(t: TableEngine, running_prefetch_seconds: float) -> dict[str, Any]:
@@ -89,6 +105,7 @@ def table_report(t: TableEngine, running_prefetch_seconds: float) -> dict[str, A
                          "running_seconds": running_prefetch_seconds},
             "admission": {"unadmitted_lookups": s.unadmitted_lookups,
                           "dropped_updates": s.dropped_updates, "admitted_rows": s.admitted_rows},
+            "expiry": {"ttl_steps": t.cfg.ttl_steps, "ttl_seconds": t.cfg.ttl_seconds, **vars(s.expiry)},
             "mrc": {"sample_rate": t.mrc.rate, **t.mrc.hit_ratios()} if t.mrc is not None else None,
             "policy": {"name": t.policy.name, "halflife": t.clock.halflife, "tuned": t.mrc is not None
                        and t.mrc.tuner is not None, "setting": t.setting.to_dict() if t.setting else None,

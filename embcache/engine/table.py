@@ -39,7 +39,7 @@ from ..stores import Store
 from ..tier import MemoryTier, RowBatch, ScoreOf, release_cached_memory, to_device, to_host
 from ..types import Tier
 from ..validate import check_open
-from . import admission, placement
+from . import admission, expiry, placement
 from .lock import TableLock
 from .rows import (
     Read,
@@ -125,6 +125,8 @@ class TableEngine:
         self.reset_mrc()
         self.pass_keyset: Keyset | None = None
         self.pass_pinned = torch.empty(0, dtype=torch.int64)
+        # expiry (ttl_steps / ttl_seconds): the state the sweeper and the touch writes keep (.expiry)
+        self.expiry = expiry.Expiry(cfg.ttl_steps, cfg.ttl_seconds) if cfg.expires else None
 
     # ------------------------------------------------------------------ state
     def _tiers(self, hbm_rows: int, ddr_rows: int) -> tuple[MemoryTier, MemoryTier]:
@@ -139,7 +141,8 @@ class TableEngine:
         return self.codec.record_bytes
 
     def load_saved(self) -> None:
-        """Take up the frequency sketch, clock and admission counts the store saved for this table, if any."""
+        """Take up the frequency sketch, clock, admission counts and expiry state the store saved for
+        this table, if any."""
         store, name = self.rows.store, self.cfg.name
         sketch = store.get_meta(sketch_meta(name))
         if sketch:
@@ -150,6 +153,7 @@ class TableEngine:
         counts = store.get_meta(admission_meta(name))
         if counts and self.admission is not None:
             self.admission.load_bytes(counts)
+        expiry.load(self)
 
     def save_frequencies(self) -> None:
         """Save the frequency state (resident rows' counts into the sketch, then sketch, clock and
@@ -239,6 +243,8 @@ class TableEngine:
             if self.mrc.tuner is not None:
                 self.retune(self.mrc.tuner.best())
         self.advance_clock(n)
+        if self.expiry is not None and self.cfg.ttl_seconds > 0:
+            self.expiry.times.note(self.clock.now, time.time())
         return out
 
     def retune(self, setting: Setting) -> None:
@@ -412,6 +418,7 @@ class TableEngine:
                 old = (tier.weights[slots], tier.state[slots], tier.dirty[slots])
                 w, s = fn(old[0], old[1], idx)
                 tier.write(slots, w, s)
+                expiry.touch_resident(self, tier, slots)
                 undo.append((tier, slots, old))
         skeys = rest_keys[~in_d]
         if self.admission is not None and read_store and skeys.numel():
@@ -549,7 +556,9 @@ class TableEngine:
         slots = tier.dirty_slots()[:STAGE_CHUNK]
         if slots.numel() == 0:
             return 0
-        self.rows.write(tier.read(slots))
+        rows = tier.read(slots)
+        expiry.write_leaving_touches(self, rows)  # a stored row always has its touch
+        self.rows.write(rows)
         tier.dirty[slots] = False
         return int(slots.numel())
 
@@ -594,7 +603,9 @@ class TableEngine:
     def import_records(self, keys: torch.Tensor, records: np.ndarray, freq: np.ndarray | None,
                        refresh: bool = False) -> None:
         """Replace the rows of unique CPU ``keys`` by store ``records``: memory copies are dropped,
-        or with ``refresh`` overwritten in place (clean, as the store now holds them)."""
+        or with ``refresh`` overwritten in place (clean, as the store now holds them); an imported
+        row counts as touched now."""
+        self.rows.write_touches(keys.numpy(), np.full(keys.numel(), self.clock.now, dtype=np.int64))
         self.rows.put(keys.numpy(), records)
         if refresh:
             self._refresh_resident(keys, records)
@@ -603,10 +614,16 @@ class TableEngine:
         if freq is not None and keys.numel():
             self.sketch.raise_to(keys, torch.as_tensor(np.asarray(freq, dtype=np.float32)))
 
-    def delete(self, keys: torch.Tensor) -> None:
-        """Delete the rows of unique CPU ``keys`` from every tier and the store."""
-        self.rows.delete(keys.numpy())
-        self._drop_resident(keys)
+    def delete(self, keys: torch.Tensor, count: bool = True) -> int:
+        """Delete the rows of unique CPU ``keys`` from every tier (pinned ones too), the store and
+        the side namespace of touches; how many of them existed (resident or stored; with
+        ``count=False`` the store is not read to tell, and 0 is returned)."""
+        if keys.numel() == 0:
+            return 0
+        existed = int((self.rows.stored(keys) | self.resident(keys)).sum()) if count else 0
+        expiry.delete_keys(self, keys)
+        self.stats.expiry.deleted += existed
+        return existed
 
     def resident_keys(self, tier: Tier) -> torch.Tensor:
         """Keys (int64, CPU) resident in ``tier``."""

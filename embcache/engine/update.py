@@ -15,6 +15,7 @@ from ..fused import fused_available, fused_update
 from ..optim import apply_update, initial_state
 from ..tier import to_device
 from ..validate import nonfinite_gradients
+from .expiry import touch_resident
 
 if TYPE_CHECKING:
     from .table import TableEngine
@@ -46,6 +47,7 @@ def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor,
         if bool((slots >= 0).all()):
             fused_update(t.cfg.optimizer, t.params, hbm.weights, hbm.state, hbm.dirty, slots,
                          grads.to(torch.float32), hbm.fused_scratch())
+            touch_resident(t, hbm, slots)
             t.stats.updates += keys.numel()
             return
     if t.device.type == "cpu":
@@ -70,6 +72,7 @@ def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor,
         hbm.weights.index_copy_(0, hslots, new_w.to(hbm.weights.dtype))
         hbm.state.index_copy_(0, hslots, new_s)
         hbm.dirty.index_fill_(0, hslots, True)
+        touch_resident(t, hbm, hslots)
     else:
         def update(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
             dev = gsum.device

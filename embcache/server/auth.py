@@ -37,7 +37,7 @@ _METHOD_PREFIX = f"/{SERVICE_NAME}/"
 ROLES: dict[str, str] = {
     "ListTables": "read", "Lookup": "read", "Stats": "read", "ResidentKeys": "read",
     "CreateTable": "write", "ApplyGradients": "write", "ApplyGradientsStream": "write", "Assign": "write",
-    "AssignStream": "write", "Prefetch": "write", "PrefetchStream": "write", "BeginPass": "write",
+    "AssignStream": "write", "Delete": "write", "Prefetch": "write", "PrefetchStream": "write", "BeginPass": "write",
     "BeginPassStream": "write", "EndPass": "write", "PrefetchBatch": "write", "PrefetchBatchStream": "write",
     "RenewLeases": "write", "ReleaseLeases": "write", "Flush": "write", "Checkpoint": "write",
     "GetShardMap": "write", "SetShardMap": "write", "ExportRows": "write", "ImportRows": "write",

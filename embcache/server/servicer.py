@@ -46,6 +46,7 @@ from ..errors import (
     InvalidKeysError,
     InvalidRowsError,
     MigratingError,
+    UnknownTableError,
     WrongShardError,
 )
 from ..keyset import Keyset
@@ -348,6 +349,23 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
         return pb.AssignResponse(receipt=self._write(
             "AssignStream", context,
             lambda: self._assign(collect_chunks(request_iterator, "rows", InvalidRowsError), context)))
+
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        """Delete rows (and their expiry touches) from every tier and the store; per table, how many existed."""
+        counts: dict[str, int] = {}
+
+        def delete() -> None:
+            unique_tables(request.tables, "Delete")
+            keys = {tk.table: keys_of(tk) for tk in request.tables}
+            known = self._cache.tables()
+            for name in keys:  # every table checked before any row goes
+                if name not in known:
+                    raise UnknownTableError(f"unknown table {name!r}; tables: {sorted(known)}")
+            with self._gate.writing(self._map_version(context), {n: k.numpy() for n, k in keys.items()}):
+                for name, k in keys.items():
+                    counts[name] = self._cache.delete(name, k)
+        receipt = self._write("Delete", context, delete)
+        return pb.DeleteResponse(receipt=receipt, tables=[pb.TableCount(table=n, rows=c) for n, c in counts.items()])
 
     # ------------------------------------------------------------------ passes
     def _routed(self, keysets: dict[str, Keyset], context: grpc.ServicerContext) -> dict[str, Keyset]:

@@ -435,6 +435,29 @@ class Store(abc.ABC):
             raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
         return self._scan(table, width, int(batch_rows))
 
+    def scan_from(self, table: str, start: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``limit`` records with key >= ``start``, in ascending key order, in one short read.
+
+        A cursor for walks that resume later (a background sweep): nothing is held between
+        calls; pass the last key returned + 1 to go on (an empty result: the end).
+
+        Returns:
+            ``(keys int64 [m], records uint8 [m, record_bytes])``, m <= limit.
+
+        Raises:
+            ValueError: limit < 1. UnknownTableError: no such table. StoreError: the backend failed.
+        """
+        width = self._width(table)
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        with self._guard("scan_from", table):
+            joined_keys, joined_values, m = self._scan_batch(
+                table, encode_keys(np.array([start], dtype=np.int64))[0], int(limit))
+        if len(joined_values) != m * width:
+            raise StoreError(f"{self.kind} store at {self.path!r}: table {table!r} holds records that are not "
+                             f"{width} bytes")
+        return decode_keys(joined_keys), np.frombuffer(joined_values, dtype=np.uint8).reshape(m, width).copy()
+
     def _scan(self, table: str, width: int, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         start = bytes(KEY_BYTES)  # encoding of int64 min: the smallest possible key
         while True:

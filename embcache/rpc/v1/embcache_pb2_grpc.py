@@ -70,6 +70,11 @@ class EmbeddingCacheServiceStub:
                 request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.AssignRequest.SerializeToString,
                 response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.AssignResponse.FromString,
                 _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/embcache.rpc.v1.EmbeddingCacheService/Delete',
+                request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.DeleteResponse.FromString,
+                _registered_method=True)
         self.Prefetch = channel.unary_stream(
                 '/embcache.rpc.v1.EmbeddingCacheService/Prefetch',
                 request_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.PrefetchRequest.SerializeToString,
@@ -217,6 +222,13 @@ class EmbeddingCacheServiceServicer:
 
     def AssignStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Delete(self, request, context):
+        """Delete rows (and their expiry touches) from every tier and the store.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -384,6 +396,11 @@ def add_EmbeddingCacheServiceServicer_to_server(servicer, server):
                     servicer.AssignStream,
                     request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.AssignRequest.FromString,
                     response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.AssignResponse.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.DeleteRequest.FromString,
+                    response_serializer=embcache_dot_rpc_dot_v1_dot_embcache__pb2.DeleteResponse.SerializeToString,
             ),
             'Prefetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefetch,
@@ -675,6 +692,33 @@ class EmbeddingCacheService:
             '/embcache.rpc.v1.EmbeddingCacheService/AssignStream',
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.AssignRequest.SerializeToString,
             embcache_dot_rpc_dot_v1_dot_embcache__pb2.AssignResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embcache.rpc.v1.EmbeddingCacheService/Delete',
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.DeleteRequest.SerializeToString,
+            embcache_dot_rpc_dot_v1_dot_embcache__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,367 @@
+"""Expiry of rows (``TableConfig.ttl_steps`` / ``ttl_seconds``), explicit deletion, and the sweeper.
+
+A row is *touched* when it is looked up or updated (or assigned, imported). A step is one tick of
+the table's clock (:class:`embcache.policy.Clock`): one key occurrence looked up in the table (and,
+with ``ttl_seconds``, one per sweep, so that the updates since the last lookup can be dated). A
+row expires when it was last touched more than ``ttl_steps`` ticks ago, or (``ttl_seconds``) more
+than that many seconds ago; everything is decided in ticks: the wall time of the clock's ticks is
+sampled (:class:`TickTimes`, at most ~256 samples per ``ttl_seconds``), so a time cutoff becomes
+a tick cutoff, rounded towards keeping the row.
+
+Where the last touch lives:
+
+- a resident row: its tier's ``last`` (the tick the policy scores by; updates set it too when the
+  table expires rows). No byte per row is added.
+- a row in the store: the side namespace ``~touch/<table>`` (key -> int64 tick, a store table of
+  its own, so copies and checkpoints of the store carry it). Touches are written in batches, only
+  for tables whose rows expire: for the rows that leave memory (:func:`write_leaving_touches`,
+  before the rows themselves, so a stored row always has a touch), and at a flush for the resident
+  rows touched since the previous flush (:func:`flush_touches`). Like rows, touches are durable at
+  a flush: after a crash, a row's touch is at least the one the last flush saw, never newer than
+  its real last touch, so no row expires earlier than its last durable touch says. The clock's
+  tick at each flush is saved with the tick times (``expiry/<table>`` metadata), so the clock
+  never restarts below a saved touch.
+
+Rows stored before expiry was turned on (or while it was off) have no (or a stale) touch: the
+first sweep *adopts* them (touch = now, every stored row) before it deletes anything from the
+store; the adoption is saved, and undone when the table is opened without a TTL.
+
+The :class:`Sweeper` (a daemon thread per cache, started when a table expires rows) runs
+:func:`sweep` every ``CacheConfig.expiry_interval`` seconds: (1) expired, unpinned resident rows
+are dropped from the tiers (and their stored copies and touches deleted), vectorized, in chunks;
+(2) the side namespace is walked with a cursor in chunks of ``SWEEP_CHUNK`` keys, read without the
+lock (touches written meanwhile are logged); under the lock, the expired candidates not touched
+since and not resident are deleted from the row store (:meth:`StoreRows.delete`, the one path that
+deletes rows) and the side namespace, ``DELETE_CHUNK`` keys per lock hold.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..errors import CacheClosedError, StoreError
+from ..tier import MemoryTier, RowBatch
+from .rows import expiry_meta
+
+if TYPE_CHECKING:
+    from .table import TableEngine
+
+__all__ = ["DELETE_CHUNK", "SWEEP_CHUNK", "Expiry", "Sweeper", "TickTimes", "delete_keys", "flush_touches", "load",
+           "save", "sweep", "threshold", "touch_resident", "write_leaving_touches"]
+
+SWEEP_CHUNK = 65536  # touches read per step of a sweep (without the lock)
+DELETE_CHUNK = 8192  # expired rows deleted per lock hold of a sweep
+_TIME_SAMPLES = 256  # tick-time samples per ttl_seconds: a row expires at most ~1/256 of it late
+_INT64_MAX = (1 << 63) - 1
+_INT64_MIN = -(1 << 63)
+
+
+class TickTimes:
+    """Sampled wall times of a table's clock: ``(tick, unix time)`` pairs, each meaning "every tick
+    below ``tick`` happened at or before ``time``". Kept for ``ttl_seconds`` back (plus one sample)."""
+
+    def __init__(self, ttl_seconds: float) -> None:
+        self.ttl = ttl_seconds
+        self.resolution = ttl_seconds / _TIME_SAMPLES
+        self.ticks: list[int] = []
+        self.walls: list[float] = []
+
+    def note(self, tick: int, wall: float) -> None:
+        """Record that the clock was at ``tick`` at ``wall``. Within the resolution of the sample
+        before the last, the last one is replaced: samples stay that far apart, the newest is exact."""
+        if self.ttl <= 0:
+            return
+        if len(self.walls) >= 2 and wall - self.walls[-2] < self.resolution:
+            self.ticks[-1], self.walls[-1] = tick, wall
+            return
+        self.ticks.append(tick)
+        self.walls.append(wall)
+        if len(self.walls) > 2 * _TIME_SAMPLES + 8:  # keep one sample at or before the cutoff
+            cut = bisect.bisect_right(self.walls, wall - self.ttl) - 1
+            if cut > 0:
+                del self.ticks[:cut], self.walls[:cut]
+
+    def tick_at(self, wall: float) -> int:
+        """The largest sampled tick every touch below which happened at or before ``wall`` (0 if none)."""
+        i = bisect.bisect_right(self.walls, wall) - 1
+        return self.ticks[i] if i >= 0 else 0
+
+    def state(self) -> list[list[float]]:
+        """Serializable samples."""
+        return [[k, w] for k, w in zip(self.ticks, self.walls, strict=True)]
+
+    def load(self, samples: list[list[float]]) -> None:
+        """Take up saved samples."""
+        self.ticks = [int(k) for k, _ in samples]
+        self.walls = [float(w) for _, w in samples]
+
+
+class Expiry:
+    """One table's expiry state (the table's lock guards it)."""
+
+    def __init__(self, ttl_steps: int, ttl_seconds: float) -> None:
+        self.ttl_steps = ttl_steps
+        self.times = TickTimes(ttl_seconds)
+        self.flushed = 0  # clock tick at the last flush: resident rows' touches below it are stored
+        self.adopted = False  # every stored row has a touch (see the module docstring)
+
+
+def threshold(t: TableEngine, wall: float | None = None) -> int:
+    """The tick below which a last touch has expired, now (``wall``: now's unix time)."""
+    assert t.expiry is not None
+    now = t.clock.now
+    cut = now - t.expiry.ttl_steps if t.expiry.ttl_steps > 0 else 0
+    if t.cfg.ttl_seconds > 0:
+        wall = time.time() if wall is None else wall
+        t.expiry.times.note(now, wall)
+        cut = max(cut, t.expiry.times.tick_at(wall - t.cfg.ttl_seconds))
+    return cut
+
+
+# ---------------------------------------------------------------------- state: load, save, touches
+def load(t: TableEngine) -> None:
+    """Take up the saved expiry state (after the clock); without expiry, forget a past adoption."""
+    raw = t.rows.store.get_meta(expiry_meta(t.cfg.name))
+    saved: dict[str, Any] = json.loads(raw) if raw else {}
+    if t.expiry is None:
+        if saved.get("adopted"):  # rows touched while expiry is off get no touch: adopt again when it is on
+            t.rows.store.put_meta(expiry_meta(t.cfg.name), json.dumps({**saved, "adopted": False}).encode())
+        return
+    t.clock.now = max(t.clock.now, int(saved.get("now", 0)))  # never below a touch a flush saved
+    t.expiry.times.load(saved.get("times", []))
+    # nothing to adopt in an empty table (a new one): every row it stores will have its touch
+    empty = t.rows.store.scan_from(t.rows.table, _INT64_MIN, 1)[0].size == 0
+    t.expiry.adopted = bool(saved.get("adopted", False)) or empty
+    t.expiry.flushed = t.clock.now
+    t.expiry.times.note(t.clock.now, time.time())
+
+
+def save(t: TableEngine) -> None:
+    """Save the expiry state (the clock's tick, tick times, adoption) in the store's metadata."""
+    if t.expiry is None:
+        return
+    state = {"now": t.clock.now, "times": t.expiry.times.state(), "adopted": t.expiry.adopted}
+    t.rows.store.put_meta(expiry_meta(t.cfg.name), json.dumps(state).encode())
+
+
+def touch_resident(t: TableEngine, tier: MemoryTier, slots: torch.Tensor) -> None:
+    """An update touched the resident rows at ``slots`` of ``tier`` (only when rows expire)."""
+    if t.expiry is not None and slots.numel():
+        tier.last.index_fill_(0, slots.to(tier.device), t.clock.now)
+
+
+def write_leaving_touches(t: TableEngine, rows: RowBatch) -> None:
+    """Store the touches of ``rows`` leaving memory (or written back) that the store lacks: those
+    touched since the last flush. Written before the rows (may raise: nothing moved)."""
+    if t.expiry is None or len(rows) == 0:
+        return
+    new = rows.last >= t.expiry.flushed
+    if bool(new.any()):
+        t.rows.write_touches(rows.keys[new].cpu().numpy(), rows.last[new].cpu().numpy())
+
+
+def flush_touches(t: TableEngine) -> None:
+    """Store the touches of resident rows touched since the last flush, then save the expiry state
+    (lock held; part of a flush, before the store's own)."""
+    if t.expiry is None:
+        return
+    for tier in (t.hbm, t.ddr):
+        slots = torch.nonzero(tier.occupied & (tier.last >= t.expiry.flushed)).flatten()
+        for start in range(0, slots.numel(), SWEEP_CHUNK):
+            part = slots[start:start + SWEEP_CHUNK]
+            t.rows.write_touches(tier.keys[part].cpu().numpy(), tier.last[part].cpu().numpy())
+    t.expiry.flushed = t.clock.now
+    save(t)
+
+
+# ---------------------------------------------------------------------- deletion
+def delete_keys(t: TableEngine, keys: torch.Tensor) -> None:
+    """Delete the rows of unique CPU ``keys`` from the store and the side namespace, then from
+    every tier (pins and all). The store goes first: if it fails, nothing was dropped."""
+    k = keys.numpy()
+    t.rows.delete(k)
+    t.rows.delete_touches(k)
+    for tier in (t.hbm, t.ddr):
+        slots = tier.find(keys)
+        tier.remove(slots[slots >= 0])
+    t.recent = None  # the rows a lookup kept aside may be of these keys
+
+
+# ---------------------------------------------------------------------- the sweep
+def sweep(t: TableEngine) -> None:
+    """One sweep of table ``t`` (see the module docstring); takes the table's lock per chunk.
+
+    Raises:
+        CacheClosedError: the cache closed meanwhile. StoreError: the store failed (what was
+            deleted stays deleted; the next sweep goes on).
+    """
+    assert t.expiry is not None
+    t0 = time.perf_counter()
+    if t.cfg.ttl_seconds > 0:
+        with t.lock:
+            t.check_open()
+            # One tick on, and its time noted: touches made at the current tick (updates since the
+            # last lookup) are then known to be older than this sweep, so an idle table expires too.
+            t.advance_clock(1)
+            t.expiry.times.note(t.clock.now, time.time())
+    _sweep_memory(t)
+    if not t.expiry.adopted:
+        _adopt(t)
+    _sweep_store(t)
+    st = t.stats.expiry
+    st.sweeps += 1
+    st.last_sweep_seconds = time.perf_counter() - t0
+    st.sweep_seconds += st.last_sweep_seconds
+
+
+def _sweep_memory(t: TableEngine) -> None:
+    """Drop expired, unpinned resident rows (chunk by chunk, the lock held per chunk)."""
+    for tier, field in ((t.hbm, "expired_hbm"), (t.ddr, "expired_ddr")):
+        while True:
+            with t.lock:
+                t.check_open()
+                if tier.capacity == 0:
+                    break
+                expired = tier.occupied & (tier.pins == 0) & (tier.last < threshold(t))
+                slots = torch.nonzero(expired).flatten()[:DELETE_CHUNK]
+                if slots.numel() == 0:
+                    break
+                keys = tier.keys.index_select(0, slots).cpu()
+                k = keys.numpy()
+                t.rows.delete(k)  # a stored copy of the row goes too
+                t.rows.delete_touches(k)
+                tier.remove(slots)
+                t.recent = None
+                setattr(t.stats.expiry, field, getattr(t.stats.expiry, field) + int(slots.numel()))
+
+
+def _adopt(t: TableEngine) -> None:
+    """Give every stored row a touch of now (rows stored without expiry on), then mark it done."""
+    assert t.expiry is not None and t.rows.touches is not None
+    start = _INT64_MIN
+    while True:
+        keys, _ = t.rows.store.scan_from(t.rows.table, start, SWEEP_CHUNK)
+        if keys.size:
+            with t.lock:
+                t.check_open()
+                t.rows.write_touches(keys, np.full(keys.size, t.clock.now, dtype=np.int64))
+                t.stats.expiry.adopted_rows += int(keys.size)
+        if keys.size < SWEEP_CHUNK or keys[-1] == _INT64_MAX:
+            break
+        start = int(keys[-1]) + 1
+    with t.lock:
+        t.check_open()
+        t.expiry.adopted = True
+        save(t)
+
+
+def _sweep_store(t: TableEngine) -> None:
+    """Walk the side namespace; delete the expired rows that are not resident, in batches.
+
+    The touches are read without the lock, chunk by chunk; the keys whose touches are written
+    meanwhile (touched since) are logged (:meth:`StoreRows.watch_touches`), and under the lock an
+    expired candidate goes only if it was not touched since it was read and is not resident.
+    """
+    assert t.expiry is not None
+    start = _INT64_MIN
+    with t.lock:
+        t.rows.watch_touches()
+    try:
+        while True:
+            with t.lock:
+                t.check_open()
+                cut = threshold(t)
+            keys, ticks = t.rows.scan_touches(start, SWEEP_CHUNK)  # without the lock: checked below
+            cand = keys[ticks < cut]
+            fresh = np.zeros(0, dtype=np.int64)  # keys touched since (at most) this chunk was read
+            for part in np.array_split(cand, -(-cand.size // DELETE_CHUNK)) if cand.size else ():
+                with t.lock:  # held for one batch of deletes
+                    t.check_open()
+                    fresh = np.union1d(fresh, t.rows.touched_since_watch())
+                    if fresh.size:  # touched after this chunk was read: kept (and checked again next sweep)
+                        part = part[~np.isin(part, fresh, assume_unique=True)]
+                    dead = part[~t.resident(torch.from_numpy(part)).numpy()] if part.size else part
+                    if dead.size:
+                        t.rows.delete(dead)
+                        t.rows.delete_touches(dead)
+                        t.stats.expiry.expired_store += int(dead.size)
+            if keys.size < SWEEP_CHUNK or keys[-1] == _INT64_MAX:
+                return
+            start = int(keys[-1]) + 1
+    finally:
+        with t.lock:
+            t.rows.unwatch_touches()
+
+
+class Sweeper:
+    """The background sweeper of a cache: :func:`sweep` of every expiring table every ``interval`` s.
+
+    Started on demand (:meth:`start`, when a table expires rows), stopped by :meth:`stop` (the
+    cache closing; call it without holding table locks). :meth:`sweep_all` runs one sweep now.
+    """
+
+    def __init__(self, tables: Mapping[str, TableEngine], interval: float) -> None:
+        self._tables = tables
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sweeping = threading.Lock()  # one sweep at a time (the thread's or expire_now's)
+        self._warned = False
+
+    def start(self) -> None:
+        """Start the thread if it is not running."""
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._run, name="embcache-expiry", daemon=True)
+            self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (a sweep in progress ends at its next chunk)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def sweep_all(self) -> None:
+        """One sweep of every table whose rows expire, now.
+
+        Raises:
+            CacheClosedError, StoreError (of the first table that failed; the others were swept).
+        """
+        failed: StoreError | None = None
+        with self._sweeping:
+            for name in sorted(self._tables):
+                t = self._tables[name]
+                if t.expiry is None:
+                    continue
+                try:
+                    sweep(t)
+                except StoreError as exc:  # counted; the other tables are swept, the next sweep tries again
+                    t.stats.expiry.errors += 1
+                    failed = failed or exc
+        if failed is not None:
+            raise failed
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.sweep_all()
+            except CacheClosedError:
+                return
+            except StoreError as exc:  # reported once; the next sweep tries again
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"embcache: expiry sweep failed: {exc}", stacklevel=1)
