@@ -31,6 +31,7 @@ _DEFAULT_EPS = {
     Optimizer.ADAGRAD: 1e-10,
     Optimizer.ROWWISE_ADAGRAD: 1e-10,
     Optimizer.ADAM: 1e-8,
+    Optimizer.ROWWISE_ADAGRAD_MOMENTUM: 1e-10,
 }
 
 
@@ -49,11 +50,13 @@ class TableConfig:
     Args:
         name: unique table name (non-empty, at most 128 characters).
         dim: embedding dimension (1..65536).
-        optimizer: "sgd", "adagrad", "rowwise_adagrad" or "adam".
+        optimizer: "sgd", "adagrad", "rowwise_adagrad", "adam" or "rowwise_adagrad_momentum"
+            (momentum-scaled row-wise AdaGrad: ``beta1`` is its momentum; see :mod:`embcache.optim`).
         lr: learning rate (> 0).
         eps: optimizer epsilon; None picks torch's default for the optimizer
             (Adagrad 1e-10, Adam 1e-8).
-        beta1, beta2: Adam's decay rates in [0, 1).
+        beta1, beta2: Adam's decay rates in [0, 1); beta1 is also the momentum of
+            "rowwise_adagrad_momentum".
         weight_decay: L2 penalty added to the gradient, as torch does (>= 0).
         initial_accumulator_value: AdaGrad's starting sum of squares (>= 0).
         initializer: "uniform" (U(-init_scale, init_scale)), "normal" (N(0, init_scale)) or "zeros".
