@@ -71,6 +71,10 @@ class TableConfig:
             admitted a little early, never late); the counts are saved with the frequencies.
         unadmitted: what a lookup of a key not admitted yet returns: "init" (the initializer's
             row, which the key would start from) or "zeros".
+        stochastic_rounding: round updated weights to a float16/bfloat16 ``dtype`` stochastically
+            (unbiased: up with probability ``(x - lo) / (hi - lo)``), with random numbers that are
+            a hash of (seed, key, update step, column), instead of to nearest. Only for float16 and
+            bfloat16 storage: with float32 it is a ConfigError. See :mod:`embcache.rounding`.
     """
 
     name: str
@@ -89,6 +93,7 @@ class TableConfig:
     memory_share: float = 1.0
     admit_after: int = 0
     unadmitted: str = "init"
+    stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 128:
@@ -128,6 +133,11 @@ class TableConfig:
             raise ConfigError(f"TableConfig.admit_after={self.admit_after!r}: must be an int >= 0")
         if self.unadmitted not in ("init", "zeros"):
             raise ConfigError(f"TableConfig.unadmitted={self.unadmitted!r}: choose 'init' or 'zeros'")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ConfigError(f"TableConfig.stochastic_rounding={self.stochastic_rounding!r}: must be a bool")
+        if self.stochastic_rounding and self.dtype == StorageDtype.FLOAT32.value:
+            raise ConfigError("TableConfig.stochastic_rounding=True needs dtype 'float16' or 'bfloat16' "
+                              "(float32 rows are not rounded)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -49,7 +49,8 @@ optimizers do (``g = g + weight_decay * w``). torch refuses weight decay with sp
 (SGD, Adagrad) or has none (SparseAdam); here it is lazy: only the rows in the batch decay.
 
 State layouts (float32, per row): sgd ``[0]``; adagrad ``[dim]`` (sum of squares);
-rowwise_adagrad ``[1]``; rowwise_adagrad_momentum ``[dim + 1]`` = ``m [dim] | s [1]``; adam ``[2*dim + 1]`` = ``m [dim] | v [dim] | step [1]``. The step count
+rowwise_adagrad ``[1]``; rowwise_adagrad_momentum ``[dim + 1]`` = ``m [dim] | s [1]``;
+adam ``[2*dim + 1]`` = ``m [dim] | v [dim] | step [1]``. The step count
 is a float32, exact up to 2^24 updates of a row; beyond that it stops growing, which changes
 nothing because both bias corrections are exactly 1.0 long before.
 """

@@ -28,7 +28,8 @@ from ..tier import RowBatch
 from .stats import SsdStats
 
 __all__ = ["META_TABLES", "Read", "ReaderPool", "RecordCodec", "StagedRead", "StoreRows", "admission_meta",
-           "clean_rows", "clock_meta", "merge_in_order", "record_bytes", "sketch_meta", "table_meta_names"]
+           "clean_rows", "clock_meta", "merge_in_order", "record_bytes", "sketch_meta", "steps_meta",
+           "table_meta_names"]
 
 META_TABLES = "tables"  # the JSON list of every table's definition
 
@@ -48,6 +49,11 @@ def clock_meta(table: str) -> str:
     return f"clock/{table}"
 
 
+def steps_meta(table: str) -> str:
+    """Metadata name of ``table``'s saved count of updates (the step of stochastic rounding)."""
+    return f"steps/{table}"
+
+
 def table_meta_names(tables: Iterable[str]) -> Iterator[str]:
     """Every metadata name a store holds for ``tables`` (what a copy of the store must carry)."""
     yield META_TABLES
@@ -55,6 +61,7 @@ def table_meta_names(tables: Iterable[str]) -> Iterator[str]:
         yield sketch_meta(name)
         yield clock_meta(name)
         yield admission_meta(name)
+        yield steps_meta(name)
 
 
 def record_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:

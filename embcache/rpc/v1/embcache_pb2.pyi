@@ -20,7 +20,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "dim", "optimizer", "lr", "eps", "beta1", "beta2", "weight_decay", "initial_accumulator_value", "initializer", "init_scale", "seed", "dtype", "memory_share", "admit_after", "unadmitted")
+    __slots__ = ("name", "dim", "optimizer", "lr", "eps", "beta1", "beta2", "weight_decay", "initial_accumulator_value", "initializer", "init_scale", "seed", "dtype", "memory_share", "admit_after", "unadmitted", "stochastic_rounding")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class TableConfig(_message.Message):
     MEMORY_SHARE_FIELD_NUMBER: _ClassVar[int]
     ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
     UNADMITTED_FIELD_NUMBER: _ClassVar[int]
+    STOCHASTIC_ROUNDING_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     optimizer: str
@@ -53,7 +54,8 @@ class TableConfig(_message.Message):
     memory_share: float
     admit_after: int
     unadmitted: str
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_share: _Optional[float] = ..., admit_after: _Optional[int] = ..., unadmitted: _Optional[str] = ...) -> None: ...
+    stochastic_rounding: bool
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_share: _Optional[float] = ..., admit_after: _Optional[int] = ..., unadmitted: _Optional[str] = ..., stochastic_rounding: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability", "max_lease_seconds", "incarnation", "shard_map")
