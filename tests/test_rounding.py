@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -123,15 +124,23 @@ def _reference(cfg: TableConfig, batches: list[tuple[torch.Tensor, torch.Tensor]
 
 
 def _train(tmp: Path, cfg: TableConfig, hbm_rows: int, ddr_rows: int,
-           batches: list[tuple[torch.Tensor, torch.Tensor]], reopen_at: int | None = None) -> torch.Tensor:
+           batches: list[tuple[torch.Tensor, torch.Tensor]], reopen_at: int | None = None,
+           restore: bool = False) -> torch.Tensor:
+    """Rows of keys 0..KEYS-1 trained through a cache; at ``reopen_at`` it is closed and opened again
+    (with ``restore``: checkpointed, closed and restored into another path and backend)."""
     from .conftest import row_bytes
 
     rb = row_bytes(DIM, cfg.optimizer)
-    config = CacheConfig(hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, path=str(tmp))
+    config = CacheConfig(hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, path=str(tmp / "a"))
     cache = EmbeddingCache(config, [cfg])
     try:
         for i, (k, g) in enumerate(batches):
-            if i == reopen_at:
+            if i == reopen_at and restore:
+                cache.checkpoint(tmp / "ckpt")
+                cache.close()
+                other = dataclasses.replace(config, path=str(tmp / "b"), store="lmdb")
+                cache = EmbeddingCache.restore(tmp / "ckpt", other)
+            elif i == reopen_at:
                 cache.close()
                 cache = EmbeddingCache(config)
             cache.lookup(cfg.name, k)
@@ -160,11 +169,12 @@ def test_rows_round_alike_in_every_tier_and_match_the_reference(tmp_path: Path, 
     assert not torch.equal(got[0], rtn)
 
 
-def test_a_reopened_cache_rounds_as_an_unbroken_run(tmp_path: Path) -> None:
+def test_a_reopened_or_restored_cache_rounds_as_an_unbroken_run(tmp_path: Path) -> None:
     cfg = TableConfig(name="t", dim=DIM, optimizer="sgd", lr=0.02, seed=5, dtype="bfloat16", stochastic_rounding=True)
     batches = _batches(10)
     unbroken = _train(tmp_path / "a", cfg, 8, 8, batches)
     assert torch.equal(unbroken, _train(tmp_path / "b", cfg, 8, 8, batches, reopen_at=5))
+    assert torch.equal(unbroken, _train(tmp_path / "c", cfg, 8, 8, batches, reopen_at=5, restore=True))
 
 
 def test_bfloat16_training_tracks_float32_more_closely_with_stochastic_rounding(tmp_path: Path) -> None:
