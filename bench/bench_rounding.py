@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/bench_rounding.py            # full: 12 passes of 40,000 samples, ~10 min
+    .venv/bin/python bench/bench_rounding.py            # full: 8 passes of 20,000 samples, ~6 min
     .venv/bin/python bench/bench_rounding.py --quick    # 4 passes of 20,000 samples, ~3 min
 
 Workload: ``examples/dlrm.py`` (``--mode cache-nopass``: rows move on demand) on its synthetic
@@ -52,7 +52,7 @@ RUNS = {"fp32": [], "bf16 RTN": ["--emb-dtype", "bfloat16"],
 
 
 def _options(args: argparse.Namespace, lr: float, data: str, path: str, extra: Sequence[str]) -> argparse.Namespace:
-    passes, samples = (4, 20_000) if args.quick else (12, 40_000)
+    passes, samples = (4, 20_000) if args.quick else (8, 20_000)
     argv = ["--passes", str(passes), "--samples-per-pass", str(samples), "--eval-samples", str(samples),
             "--batch", "512", "--dim", "16", "--scale", "0.01", "--bottom-mlp", "64", "--top-mlp", "64",
             "--emb-optimizer", args.emb_optimizer, "--emb-lr", str(lr), "--threads", "1", "--seed",
