@@ -17,11 +17,12 @@ the same initial model (``--seed``), one after another:
 
 Measured per run: the last training pass's mean loss, the held-out log loss and AUC, and, after
 the last pass, the embedding rows of every key the run touched, compared with the fp32 run's rows
-(root mean square of the difference over all tables). The summary rows are the bf16 runs' RMS
-row gap to fp32 and |log loss - fp32's| with SR over the same with round-to-nearest (below 1:
-stochastic rounding tracks fp32 more closely). Training losses of the three runs also differ
-because the dense part trains on different embeddings; a single short run's log loss gap is
-within the run-to-run noise of a few 1e-4 and says less than the row gap.
+(root mean square of the difference over all tables). The summary rows are, per learning rate,
+the bf16 SR run's RMS row gap to fp32 and its |log loss - fp32's| over the same for bf16 RTN (below
+1: stochastic rounding is the closer). The two measure different things: stochastic rounding adds
+zero-mean noise to every updated row, which the RMS row gap counts, while round-to-nearest drops
+the updates below half a bfloat16 step, a bias the held-out loss shows. The dense part trains on
+different embeddings in each run, so a gap of a few 1e-4 in log loss may be noise of one run.
 
 Writes ``bench/results/rounding.json`` and ``rounding.md`` (``rounding-quick.*`` with ``--quick``).
 """
