@@ -85,6 +85,8 @@ SUITE = (
     Bench("scale", "bench_scale.py", "scale", what="per-row cost at 1M, 10M (and 100M) rows"),
     Bench("dlrm", "bench_dlrm.py", "dlrm", what="DLRM training throughput: in-memory torch vs embcache with and "
           "without prefetch"),
+    Bench("rounding", "bench_rounding.py", "rounding", what="DLRM with bfloat16 rows: stochastic rounding vs "
+          "round-to-nearest, gap to float32 rows and loss"),
     Bench("server", "bench_server.py", "server", served=True, what="gRPC pull/push vs a raw gRPC echo and Redis"),
     Bench("overload", "bench_overload.py", "overload", served=True, what="a client's lookup p50/p99 with and "
           "without 64 stalled client streams"),

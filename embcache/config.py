@@ -31,6 +31,7 @@ _DEFAULT_EPS = {
     Optimizer.ADAGRAD: 1e-10,
     Optimizer.ROWWISE_ADAGRAD: 1e-10,
     Optimizer.ADAM: 1e-8,
+    Optimizer.ROWWISE_ADAGRAD_MOMENTUM: 1e-10,
 }
 
 
@@ -49,11 +50,13 @@ class TableConfig:
     Args:
         name: unique table name (non-empty, at most 128 characters).
         dim: embedding dimension (1..65536).
-        optimizer: "sgd", "adagrad", "rowwise_adagrad" or "adam".
+        optimizer: "sgd", "adagrad", "rowwise_adagrad", "adam" or "rowwise_adagrad_momentum"
+            (momentum-scaled row-wise AdaGrad: ``beta1`` is its momentum; see :mod:`embcache.optim`).
         lr: learning rate (> 0).
         eps: optimizer epsilon; None picks torch's default for the optimizer
             (Adagrad 1e-10, Adam 1e-8).
-        beta1, beta2: Adam's decay rates in [0, 1).
+        beta1, beta2: Adam's decay rates in [0, 1); beta1 is also the momentum of
+            "rowwise_adagrad_momentum".
         weight_decay: L2 penalty added to the gradient, as torch does (>= 0).
         initial_accumulator_value: AdaGrad's starting sum of squares (>= 0).
         initializer: "uniform" (U(-init_scale, init_scale)), "normal" (N(0, init_scale)) or "zeros".
@@ -75,6 +78,10 @@ class TableConfig:
             the eviction policy ages by. See ``stats()[table]["expiry"]``.
         ttl_seconds: expiry by wall time: a row not touched for more than this many seconds is
             deleted (0: off). With both set, a row expires when either is exceeded.
+        stochastic_rounding: round updated weights to a float16/bfloat16 ``dtype`` stochastically
+            (unbiased: up with probability ``(x - lo) / (hi - lo)``), with random numbers that are
+            a hash of (seed, key, update step, column), instead of to nearest. Only for float16 and
+            bfloat16 storage: with float32 it is a ConfigError. See :mod:`embcache.rounding`.
     """
 
     name: str
@@ -95,6 +102,7 @@ class TableConfig:
     unadmitted: str = "init"
     ttl_steps: int = 0
     ttl_seconds: float = 0.0
+    stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 128:
@@ -141,6 +149,11 @@ class TableConfig:
             raise ConfigError(f"TableConfig.ttl_seconds={self.ttl_seconds!r}: must be a finite number >= 0 "
                               "(0: no expiry)")
         object.__setattr__(self, "ttl_seconds", float(self.ttl_seconds))
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ConfigError(f"TableConfig.stochastic_rounding={self.stochastic_rounding!r}: must be a bool")
+        if self.stochastic_rounding and self.dtype == StorageDtype.FLOAT32.value:
+            raise ConfigError("TableConfig.stochastic_rounding=True needs dtype 'float16' or 'bfloat16' "
+                              "(float32 rows are not rounded)")
 
     @property
     def expires(self) -> bool:

@@ -120,7 +120,7 @@ def _kernel_py(opt: int, weights: Any, state: Any, dirty: Any, slots: Any, grads
     n, d = grads.shape
     lr32, eps32, wd32 = _F32(lr), _F32(eps), _F32(wd)
     neg_lr32 = _F32(-lr)
-    one_b1, one_b2 = _F32(1.0 - beta1), _F32(1.0 - beta2)
+    one_b1, one_b2, beta1_32 = _F32(1.0 - beta1), _F32(1.0 - beta2), _F32(beta1)
     u = 0
     for i in range(n):  # 1. unique rows and summed gradients, in batch order
         s = slots[i]
@@ -167,7 +167,7 @@ def _kernel_py(opt: int, weights: Any, state: Any, dirty: Any, slots: Any, grads
             multiplier = lr32 / (_F32(np.sqrt(acc)) + eps32)
             for j in range(d):
                 w[j] = w[j] - multiplier * g[j]
-        else:  # adam: state = m | v | step
+        elif opt == 3:  # adam: state = m | v | step
             step = st[2 * d] + _F32(1.0)
             st[2 * d] = step
             t = np.float64(step)
@@ -180,6 +180,14 @@ def _kernel_py(opt: int, weights: Any, state: Any, dirty: Any, slots: Any, grads
                 st[j] = m
                 st[d + j] = v
                 w[j] = w[j] + (m / (_F32(np.sqrt(v)) + eps32)) * neg_step_size
+        else:  # rowwise_adagrad_momentum: state = m | s
+            acc = st[d] + _sum_squares(g) / _F32(d)
+            st[d] = acc
+            multiplier = lr32 / (_F32(np.sqrt(acc)) + eps32)
+            for j in range(d):
+                m = st[j] * beta1_32 + multiplier * g[j]
+                st[j] = m
+                w[j] = w[j] - m
     return u
 
 

@@ -21,6 +21,18 @@ order. "Bitwise equal" below is said of :func:`torch_update`.
   the sparse branch of ``torch.optim.Adagrad`` with ``lr_decay=0``, which coalesces first.
 * ``"rowwise_adagrad"``: FBGEMM's ``EXACT_ROWWISE_ADAGRAD``: one accumulator per row,
   ``s += mean(g*g); w -= lr * g / (sqrt(s) + eps)``.
+* ``"rowwise_adagrad_momentum"``: momentum-scaled row-wise AdaGrad, after the optimizer named
+  in Zhang et al., "Two-dimensional Sparse Parallelism for Large Scale Deep Learning
+  Recommendation Model Training" (arXiv 2508.03854, 2025). The paper's algorithm box could not be
+  read from the material available when this was written (only its abstract, and Meta's blog
+  post on the same work, which says that FBGEMM's row-wise AdaGrad state is called its
+  "momentum"); this is the reading documented here, not a copy of the paper's formula. Row-wise
+  AdaGrad's step ``lr * g / (sqrt(s) + eps)`` is taken as the input of a heavy-ball momentum
+  with coefficient ``beta1`` (TableConfig's ``beta1``, 0.9 by default), so the momentum carries
+  steps already scaled by each row's own AdaGrad rate:
+  ``s += mean(g*g); m = beta1 * m + lr / (sqrt(s) + eps) * g; w -= m``. With ``beta1 = 0`` it
+  is ``rowwise_adagrad`` operation for operation (bitwise). Like Adam's, the momentum is lazy: a
+  row's ``m`` decays only on the steps that update the row.
 * ``"adam"``: lazy Adam with a per-row step count (the bias correction FBGEMM's Adam offers as
   ``use_rowwise_bias_correction``). Each updated row
   does ``t += 1; m += (1-b1)(g-m); v += (1-b2)(g*g-v);
@@ -37,7 +49,8 @@ optimizers do (``g = g + weight_decay * w``). torch refuses weight decay with sp
 (SGD, Adagrad) or has none (SparseAdam); here it is lazy: only the rows in the batch decay.
 
 State layouts (float32, per row): sgd ``[0]``; adagrad ``[dim]`` (sum of squares);
-rowwise_adagrad ``[1]``; adam ``[2*dim + 1]`` = ``m [dim] | v [dim] | step [1]``. The step count
+rowwise_adagrad ``[1]``; rowwise_adagrad_momentum ``[dim + 1]`` = ``m [dim] | s [1]``;
+adam ``[2*dim + 1]`` = ``m [dim] | v [dim] | step [1]``. The step count
 is a float32, exact up to 2^24 updates of a row; beyond that it stops growing, which changes
 nothing because both bias corrections are exactly 1.0 long before.
 """
@@ -53,7 +66,7 @@ from .errors import ConfigError
 
 __all__ = ["OPTIMIZERS", "OptimizerParams", "apply_update", "initial_state", "state_width", "torch_update"]
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad", "adam", "rowwise_adagrad_momentum")
 
 
 def _check_optimizer(optimizer: str) -> None:
@@ -89,6 +102,8 @@ def state_width(optimizer: str, dim: int) -> int:
         return dim
     if optimizer == "rowwise_adagrad":
         return 1
+    if optimizer == "rowwise_adagrad_momentum":
+        return dim + 1  # m, then the row's sum of mean squares
     return 2 * dim + 1  # adam: m, v, per-row step count
 
 
@@ -106,8 +121,9 @@ def initial_state(
         dim: embedding dimension (>= 1).
         n: number of rows (>= 0).
         device: where to allocate the state.
-        initial_accumulator_value: starting sum of squares of "adagrad" and "rowwise_adagrad"
-            (torch's Adagrad argument of the same name); the other optimizers ignore it.
+        initial_accumulator_value: starting sum of squares of "adagrad", "rowwise_adagrad" and
+            "rowwise_adagrad_momentum" (torch's Adagrad argument of the same name; the momentum
+            starts at 0); the other optimizers ignore it.
 
     Raises:
         ConfigError: if the optimizer is unknown, dim < 1, n < 0, or the accumulator value
@@ -121,6 +137,10 @@ def initial_state(
         raise ConfigError(f"initial_accumulator_value={initial_accumulator_value!r} must be finite and >= 0")
     if optimizer in ("adagrad", "rowwise_adagrad"):
         return torch.full((n, width), value, dtype=torch.float32, device=device)
+    if optimizer == "rowwise_adagrad_momentum":
+        state = torch.zeros((n, width), dtype=torch.float32, device=device)
+        state[:, dim:] = value
+        return state
     return torch.zeros((n, width), dtype=torch.float32, device=device)
 
 
@@ -133,7 +153,8 @@ class OptimizerParams:
         eps: added to the root of the second moment. torch's defaults: Adagrad 1e-10,
             Adam/SparseAdam 1e-8 (FBGEMM's rowwise AdaGrad also uses 1e-10 in practice);
             SGD ignores it.
-        beta1: Adam's first-moment decay in [0, 1) (torch's default 0.9); others ignore it.
+        beta1: Adam's first-moment decay in [0, 1) (torch's default 0.9), and the momentum of
+            "rowwise_adagrad_momentum"; others ignore it.
         beta2: Adam's second-moment decay in [0, 1) (torch's default 0.999); others ignore it.
         weight_decay: L2 penalty added to the gradient, ``g + weight_decay * w`` (>= 0).
 
@@ -256,6 +277,8 @@ def torch_update(
         return _adagrad(params, weights, state, g)
     if optimizer == "rowwise_adagrad":
         return _rowwise_adagrad(params, weights, state, g)
+    if optimizer == "rowwise_adagrad_momentum":
+        return _rowwise_adagrad_momentum(params, weights, state, g)
     return _adam(params, weights, state, g)
 
 
@@ -310,6 +333,26 @@ def _rowwise_adagrad(
     denom = new_state.sqrt().add_(params.eps)
     multiplier = torch.full_like(denom, params.lr).div_(denom)
     return weights - multiplier * g, new_state
+
+
+def _rowwise_adagrad_momentum(
+    params: OptimizerParams, weights: torch.Tensor, state: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Momentum-scaled row-wise AdaGrad (see the module docstring for the rule and its source).
+
+    Args:
+        params: the hyper-parameters (``beta1`` is the momentum).
+        weights: float32 [n, dim].
+        state: float32 [n, dim + 1] = m | s.
+        g: float32 [n, dim], weight decay already added.
+    """
+    dim = weights.shape[1]
+    new_s = state[:, dim:] + (g * g).mean(dim=1, keepdim=True)
+    # the multiplier exactly as _rowwise_adagrad computes it, so that beta1 = 0 is that rule bitwise
+    denom = new_s.sqrt().add_(params.eps)
+    multiplier = torch.full_like(denom, params.lr).div_(denom)
+    m = state[:, :dim] * params.beta1 + multiplier * g
+    return weights - m, torch.cat([m, new_s], dim=1)
 
 
 def _adam(

@@ -271,7 +271,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="+", help=".npy key traces (access order) and/or .npz keysets (keys, counts)")
     p.add_argument("--dim", type=int, default=64, help="embedding dimension (default 64)")
     p.add_argument("--dtype", default="float32", help="storage dtype: float32, float16, bfloat16")
-    p.add_argument("--optimizer", default="rowwise_adagrad", help="sgd, adagrad, rowwise_adagrad, adam")
+    p.add_argument("--optimizer", default="rowwise_adagrad",
+                   help="sgd, adagrad, rowwise_adagrad, adam, rowwise_adagrad_momentum")
     p.add_argument("--hbm-hit", type=float, default=0.8, help="target HBM hit ratio (default 0.8)")
     p.add_argument("--memory-hit", type=float, default=0.95, help="target HBM+DDR hit ratio (default 0.95)")
     p.add_argument("--points", type=int, default=16, help="capacities on the curve (default 16)")

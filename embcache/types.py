@@ -37,6 +37,7 @@ class Optimizer(str, Enum):
     ADAGRAD = "adagrad"
     ROWWISE_ADAGRAD = "rowwise_adagrad"
     ADAM = "adam"
+    ROWWISE_ADAGRAD_MOMENTUM = "rowwise_adagrad_momentum"
 
 
 @unique

@@ -21,7 +21,9 @@ What it does:
 3. **Model.** DLRM: bottom MLP over the dense features to ``--dim``, one embedding bag per
    categorical feature (``CachedEmbeddingBagCollection``: one cache round trip per step), pairwise
    dot interaction, top MLP to a logit, BCE loss. Dense part: Adam. Embeddings: row-wise AdaGrad
-   (``--emb-optimizer``), applied by the cache inside ``loss.backward()``.
+   (``--emb-optimizer``: also ``adagrad`` and the momentum-scaled ``rowwise_adagrad_momentum``),
+   applied by the cache inside ``loss.backward()``; rows stored in ``--emb-dtype`` (float32,
+   float16, bfloat16), with ``--stochastic-rounding`` rounded stochastically after each update.
 4. **Passes** (HugeCTR's Embedding Training Cache protocol, with the next pass staged in the
    background): ``prefetch(keysets[p + 1])`` while pass ``p`` trains, ``begin_pass`` (hottest rows
    in HBM, pinned), ``end_pass`` (dirty rows written back in the background).
@@ -35,9 +37,10 @@ Modes (``--mode``):
 * ``torch``: every table in memory as ``torch.nn.EmbeddingBag(sparse=True)`` (all
   ``n_f`` rows; ids mapped to row indices by inverting the data set's id hash, the usual
   "categorify" step) with a sparse optimizer: ``torch.optim.Adagrad`` for ``adagrad``, and for
-  ``rowwise_adagrad`` (which torch lacks) a vectorized step on the coalesced sparse gradient with
-  embcache's own update rule. Rows the data touches start from the cache's initializer, so
-  ``torch`` and the cache modes train the same model and their losses agree to float rounding.
+  ``rowwise_adagrad`` and ``rowwise_adagrad_momentum`` (which torch lacks) a vectorized step on
+  the coalesced sparse gradient with embcache's own update rule. Rows the data touches start
+  from the cache's initializer, so ``torch`` and the cache modes train the same model and their
+  losses agree to float rounding.
 
 A progress bar shows the loss, samples/s and the current pass's per-tier hit rates; the end
 prints a table per pass (hit rates, throughput, staging) and the held-out AUC. ``--json``
@@ -72,7 +75,7 @@ from embcache import CacheConfig, EmbeddingCache, TableConfig
 from embcache.init import init_rows
 from embcache.keyset import Keyset, KeysetFileError, keyset_file_meta, keysets_from_file, load_keysets, save_keysets
 from embcache.nn import CachedEmbeddingBagCollection
-from embcache.optim import OptimizerParams, apply_update
+from embcache.optim import OptimizerParams, apply_update, initial_state, state_width
 from embcache.tier import resident_row_bytes
 
 from .synthetic import N_DENSE, N_SPARSE, Batch, SyntheticConfig, SyntheticDataset, generate_dataset
@@ -80,6 +83,7 @@ from .synthetic import N_DENSE, N_SPARSE, Batch, SyntheticConfig, SyntheticDatas
 __all__ = ["DLRM", "MODES", "TABLES", "Trainer", "auc", "build_parser", "main", "run"]
 
 MODES = ("cache", "cache-noprefetch", "cache-nopass", "torch")
+EMB_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "rowwise_adagrad_momentum")
 TABLES = [f"C{i + 1}" for i in range(N_SPARSE)]
 _TIERS = ("hbm", "ddr", "ssd", "created")
 
@@ -190,13 +194,15 @@ class CacheEmbeddings(nn.Module):
         """Nothing to clear."""
 
 
-class _RowwiseAdagrad:
-    """Row-wise AdaGrad for sparse gradients (torch has none): embcache's rule on the coalesced rows."""
+class _RowOptimizer:
+    """A row-wise rule torch lacks (row-wise AdaGrad, with or without momentum) for sparse
+    gradients: embcache's rule on the coalesced rows."""
 
-    def __init__(self, weights: Sequence[torch.Tensor], lr: float, eps: float) -> None:
+    def __init__(self, optimizer: str, weights: Sequence[torch.Tensor], cfg: TableConfig) -> None:
+        self.optimizer = optimizer
         self.weights = list(weights)
-        self.state = [torch.zeros(w.shape[0], 1, device=w.device) for w in self.weights]
-        self.params = OptimizerParams(lr=lr, eps=eps, beta1=0.9, beta2=0.999)
+        self.state = [initial_state(optimizer, w.shape[1], w.shape[0], w.device) for w in self.weights]
+        self.params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -205,7 +211,7 @@ class _RowwiseAdagrad:
                 continue
             g = w.grad.coalesce()  # sums duplicate rows, as the cache does
             idx = g.indices()[0]
-            new_w, new_s = apply_update("rowwise_adagrad", self.params, w.index_select(0, idx),
+            new_w, new_s = apply_update(self.optimizer, self.params, w.index_select(0, idx),
                                         s.index_select(0, idx), g.values())
             w.index_copy_(0, idx, new_w)
             s.index_copy_(0, idx, new_s)
@@ -250,10 +256,10 @@ class TorchEmbeddings(nn.Module):
         self.optimizer: Any
         if cfg.optimizer == "adagrad":
             self.optimizer = torch.optim.Adagrad(weights, lr=cfg.lr, eps=eps)
-        elif cfg.optimizer == "rowwise_adagrad":
-            self.optimizer = _RowwiseAdagrad(weights, lr=cfg.lr, eps=eps)
+        elif cfg.optimizer in ("rowwise_adagrad", "rowwise_adagrad_momentum"):
+            self.optimizer = _RowOptimizer(cfg.optimizer, weights, cfg)
         else:
-            raise ValueError(f"torch mode supports adagrad and rowwise_adagrad, not {cfg.optimizer!r}")
+            raise ValueError(f"torch mode supports {', '.join(EMB_OPTIMIZERS)}, not {cfg.optimizer!r}")
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
         """Pooled rows [B, 26, dim] of sparse ids [B, 26]."""
@@ -370,7 +376,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data set directory, reused when it holds the same data set (default: under --path)")
     p.add_argument("--threads", type=int, default=0, help="torch (and numba) threads; 0 = number of cores")
     p.add_argument("--seed", type=int, default=0, help="seed of the data set and of the dense model")
-    p.add_argument("--emb-optimizer", choices=["rowwise_adagrad", "adagrad"], default="rowwise_adagrad")
+    p.add_argument("--emb-optimizer", choices=EMB_OPTIMIZERS, default="rowwise_adagrad",
+                   help="embedding optimizer (default rowwise_adagrad; rowwise_adagrad_momentum: momentum-scaled, "
+                        "its momentum --emb-momentum)")
+    p.add_argument("--emb-momentum", type=float, default=0.9,
+                   help="momentum of rowwise_adagrad_momentum (TableConfig.beta1, default 0.9)")
+    p.add_argument("--emb-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="storage dtype of the embedding rows (cache modes; default float32)")
+    p.add_argument("--stochastic-rounding", action="store_true",
+                   help="round updated float16/bfloat16 rows stochastically (cache modes; needs --emb-dtype)")
     p.add_argument("--emb-lr", type=float, default=0.05, help="embedding learning rate (default 0.05)")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate of the dense part (default 0.002)")
     p.add_argument("--bottom-mlp", default="512,256,64",
@@ -523,10 +537,15 @@ class Trainer:
             raise SystemExit("--ttl-steps needs a cache mode (the torch mode keeps every row)")
         if args.ttl_steps < 0:
             raise SystemExit("--ttl-steps must be >= 0")
+        if args.mode == "torch" and (args.emb_dtype != "float32" or args.stochastic_rounding):
+            raise SystemExit("--emb-dtype and --stochastic-rounding need a cache mode (the torch mode is float32)")
+        if args.stochastic_rounding and args.emb_dtype == "float32":
+            raise SystemExit("--stochastic-rounding needs --emb-dtype float16 or bfloat16")
         tables = [TableConfig(name=t, dim=args.dim, optimizer=args.emb_optimizer, lr=args.emb_lr, seed=i + 1,
-                              admit_after=args.admit_after, ttl_steps=args.ttl_steps) for i, t in enumerate(TABLES)]
-        self.row_bytes = resident_row_bytes(args.dim, torch.float32,
-                                            1 if args.emb_optimizer == "rowwise_adagrad" else args.dim)
+                              beta1=args.emb_momentum, admit_after=args.admit_after, ttl_steps=args.ttl_steps,
+                              dtype=args.emb_dtype, stochastic_rounding=args.stochastic_rounding)
+                  for i, t in enumerate(TABLES)]
+        self.row_bytes = resident_row_bytes(args.dim, tables[0].torch_dtype, state_width(args.emb_optimizer, args.dim))
         hbm_bytes, ddr_bytes, shares = _memory_plan(self.keysets, self.row_bytes)
         self.hbm_bytes = int(args.hbm_mb * 2**20) if args.hbm_mb is not None else hbm_bytes
         self.ddr_bytes = int(args.ddr_mb * 2**20) if args.ddr_mb is not None else ddr_bytes

@@ -644,6 +644,35 @@ def test_client_is_a_backend_of_the_torch_modules(client: Client, tmp_path: Path
     ref.close()
 
 
+def test_momentum_rowwise_adagrad_and_stochastic_rounding_through_the_fleet(client: Client, tmp_path: Path) -> None:
+    """The optimizer and the rounding added by issue 23 give through the server the rows of the
+    embedded cache. Stochastic rounding draws from each shard's own count of updates, so the
+    bf16 table is compared bitwise where one shard holds it (several shards: each shard is such an
+    embedded cache of its part of the batches, which this does not rebuild)."""
+    momentum = TableConfig(name=f"t{next(_names)}", dim=8, optimizer="rowwise_adagrad_momentum", lr=0.05, seed=11)
+    tables = [momentum]
+    if len(client.servers) == 1:
+        tables.append(TableConfig(name=f"t{next(_names)}", dim=8, optimizer="rowwise_adagrad_momentum", lr=0.05,
+                                  seed=12, dtype="bfloat16", stochastic_rounding=True))
+    for cfg in tables:
+        assert client.create_table(cfg) is True
+    ref = EmbeddingCache(CacheConfig(path=str(tmp_path / "ref"), hbm_bytes=4_000, ddr_bytes=4_000, device="cpu"),
+                         tables)
+    rng = np.random.default_rng(8)
+    try:
+        for _ in range(12):
+            for cfg in tables:
+                keys = _keys(rng, 200)
+                grads = torch.from_numpy(rng.standard_normal((keys.size, cfg.dim)).astype(np.float32))
+                client.apply_gradients(cfg.name, keys, grads)
+                ref.apply_gradients(cfg.name, torch.from_numpy(keys), grads)
+        every = np.arange(-3, 5000, dtype=np.int64)
+        for cfg in tables:
+            assert torch.equal(client.lookup(cfg.name, every), ref.lookup(cfg.name, torch.from_numpy(every)))
+    finally:
+        ref.close()
+
+
 def test_shards_resolved_from_a_dns_name(one_shard: LocalServer) -> None:
     from embcache.client import resolve_shards
 

@@ -64,6 +64,26 @@ def test_dlrm_torch_and_nopass_modes_train_the_same_model(data_dir: str, tmp_pat
     assert sum(p["tier_counts"]["created"] for p in nopass["passes"]) > 0  # on demand: rows created in lookups
 
 
+def test_dlrm_momentum_optimizer_in_torch_and_cache_modes(data_dir: str, tmp_path: Any) -> None:
+    """``--emb-optimizer rowwise_adagrad_momentum`` trains the same model in memory and through the
+    cache; ``--emb-dtype``/``--stochastic-rounding`` are refused where they mean nothing (bfloat16
+    training through the example: bench/bench_rounding.py)."""
+
+    def go(mode: str, path: str, *more: str) -> dict[str, Any]:
+        return dlrm.run(dlrm.build_parser().parse_args([*TINY, "--emb-optimizer", "rowwise_adagrad_momentum", *more,
+                                                        "--mode", mode, "--data", data_dir,
+                                                        "--path", str(tmp_path / path)]))
+
+    with pytest.raises(SystemExit, match="float16 or bfloat16"):
+        go("cache-nopass", "d", "--stochastic-rounding")
+    with pytest.raises(SystemExit, match="cache mode"):
+        go("torch", "e", "--emb-dtype", "bfloat16")
+    torch_run, cache = go("torch", "a"), go("cache-nopass", "b")
+    for a, b in zip(torch_run["passes"], cache["passes"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+    assert cache["auc"] == pytest.approx(torch_run["auc"], abs=2e-3)
+
+
 def test_temporary_directory_is_removed(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     scratch = tmp_path / "scratch"
     scratch.mkdir()

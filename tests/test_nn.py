@@ -320,11 +320,13 @@ def test_modules_hold_no_parameters_and_their_rows_as_extra_state(make_cache: An
 
 # ---------------------------------------------------------------------- transparency: training equals torch
 class RowwiseAdagrad:
-    """Row-wise AdaGrad (embcache/optim.py's formula) on torch's sparse gradient of ``weight``."""
+    """Row-wise AdaGrad (embcache/optim.py's formula) on torch's sparse gradient of ``weight``; with
+    ``momentum``, its momentum-scaled variant (``rowwise_adagrad_momentum``)."""
 
-    def __init__(self, weight: torch.Tensor, lr: float, eps: float) -> None:
-        self.weight, self.lr, self.eps = weight, lr, eps
+    def __init__(self, weight: torch.Tensor, lr: float, eps: float, momentum: float | None = None) -> None:
+        self.weight, self.lr, self.eps, self.momentum = weight, lr, eps, momentum
         self.acc = torch.zeros(weight.shape[0], 1)
+        self.m = torch.zeros_like(weight)
 
     def step(self) -> None:
         assert self.weight.grad is not None
@@ -334,7 +336,11 @@ class RowwiseAdagrad:
             self.acc[idx] += (g * g).mean(dim=1, keepdim=True)
             denom = self.acc[idx].sqrt().add_(self.eps)
             multiplier = torch.full_like(denom, self.lr).div_(denom)
-            self.weight[idx] = self.weight[idx] - multiplier * g
+            if self.momentum is None:
+                self.weight[idx] = self.weight[idx] - multiplier * g
+            else:  # momentum-scaled: m = beta * m + multiplier * g; w -= m (the touched rows' m only)
+                self.m[idx] = self.m[idx] * self.momentum + multiplier * g
+                self.weight[idx] = self.weight[idx] - self.m[idx]
 
 
 def embedding_optimizer(name: str, weight: torch.Tensor, lr: float) -> Any:
@@ -342,6 +348,8 @@ def embedding_optimizer(name: str, weight: torch.Tensor, lr: float) -> Any:
         return torch.optim.SGD([weight], lr=lr)
     if name == "adagrad":
         return torch.optim.Adagrad([weight], lr=lr, eps=1e-10)
+    if name == "rowwise_adagrad_momentum":
+        return RowwiseAdagrad(weight, lr, 1e-10, momentum=0.9)  # TableConfig's default beta1
     return RowwiseAdagrad(weight, lr, 1e-10)
 
 
@@ -468,7 +476,7 @@ CASES = ["one_pass", "passes_with_prefetch"]
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "rowwise_adagrad_momentum"])
 def test_training_through_the_cache_equals_torch(make_cache: Any, optimizer: str, case: str) -> None:
     """Skewed keys, duplicates in every batch; ~200 rows touched with 16 in memory.
 

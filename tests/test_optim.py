@@ -93,10 +93,14 @@ def test_state_width_and_initial_state() -> None:
     assert state_width("adagrad", 8) == 8
     assert state_width("rowwise_adagrad", 8) == 1
     assert state_width("adam", 8) == 17
+    assert state_width("rowwise_adagrad_momentum", 8) == 9
     for name in OPTIMIZERS:
         s = initial_state(name, 8, 5, torch.device("cpu"), 0.25)
         assert s.shape == (5, state_width(name, 8))
         assert s.dtype == torch.float32
+        if name == "rowwise_adagrad_momentum":  # momentum 0, then the accumulator
+            assert torch.all(s[:, :8] == 0.0) and torch.all(s[:, 8] == 0.25)
+            continue
         expected = 0.25 if name in ("adagrad", "rowwise_adagrad") else 0.0
         assert torch.all(s == expected)
     assert initial_state("adam", 4, 0, torch.device("cpu")).shape == (0, 9)
@@ -216,6 +220,61 @@ def test_rowwise_adagrad_matches_reference() -> None:
     for (_, got, _), want in zip(history, ref, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     assert torch.equal(history[-1][1][TOUCHED:], w0[TOUCHED:])
+
+
+def _dense_rowwise_adagrad_momentum(
+    w: torch.Tensor, s: torch.Tensor, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float, eps: float,
+    beta: float, wd: float = 0.0,
+) -> list[torch.Tensor]:
+    """Momentum-scaled row-wise AdaGrad written out on plain float64 tensors, row by row, over the
+    whole table: ``s += mean(g^2); m = beta * m + lr * g / (sqrt(s) + eps); w -= m``, for the rows
+    a step touches (the momentum of the others waits, as the cache's does).
+
+    Args:
+        w: float32 [N, D] initial weights.
+        s: float32 [N, 1] initial accumulators.
+        batches: (indices [B], upstream gradient [B, D]) per step.
+        lr, eps, beta, wd: hyper-parameters (wd: L2 added to the gradient).
+    """
+    w, s = w.double().clone(), s.double().clone()
+    m = torch.zeros_like(w)
+    out = []
+    for idx, upstream in batches:
+        g = torch.zeros_like(w).index_add_(0, idx, upstream.double())
+        for r in torch.unique(idx).tolist():
+            gr = g[r] + wd * w[r]
+            s[r] += (gr * gr).mean()
+            m[r] = beta * m[r] + lr * gr / (s[r].sqrt() + eps)
+            w[r] -= m[r]
+        out.append(w.clone())
+    return out
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_rowwise_adagrad_momentum_matches_reference(wd: float) -> None:
+    lr, eps, beta = 0.05, 1e-10, 0.9
+    p = OptimizerParams(lr=lr, eps=eps, beta1=beta, beta2=0.999, weight_decay=wd)
+    batches = _batches(5)
+    history = _run_both("rowwise_adagrad_momentum", p, lambda ps: torch.optim.SGD(ps, lr=0.0), batches, 0.1)
+    torch.manual_seed(0)
+    w0 = torch.nn.Embedding(N_ROWS, DIM).weight.detach()
+    ref = _dense_rowwise_adagrad_momentum(w0, torch.full((N_ROWS, 1), 0.1), batches, lr, eps, beta, wd)
+    for (_, got, _), want in zip(history, ref, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(history[-1][1][TOUCHED:], w0[TOUCHED:])
+    # the momentum matters: the same steps without it land elsewhere
+    plain = _dense_rowwise_adagrad_momentum(w0, torch.full((N_ROWS, 1), 0.1), batches, lr, eps, 0.0, wd)
+    assert (plain[-1] - ref[-1]).abs().max() > 1e-3
+
+
+def test_rowwise_adagrad_momentum_without_momentum_is_rowwise_adagrad_bitwise() -> None:
+    p = OptimizerParams(lr=0.05, eps=1e-10, beta1=0.0, beta2=0.999)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.0)  # noqa: E731
+    a = _run_both("rowwise_adagrad_momentum", p, sgd, _batches(6), 0.1)
+    b = _run_both("rowwise_adagrad", p, sgd, _batches(6), 0.1)
+    for (_, wa, sa), (_, wb, sb) in zip(a, b, strict=True):
+        assert torch.equal(wa, wb)
+        assert torch.equal(sa[:, DIM:], sb)
 
 
 def _per_row_adam(

@@ -900,6 +900,10 @@ def test_table_flags_are_typed_like_the_config_file() -> None:
         _parse_table("name=user,dim=sixty")
     with pytest.raises(ConfigError, match="lr"):
         _parse_table("name=user,dim=8,lr=fast")
+    cfg = _parse_table("name=u,dim=8,optimizer=rowwise_adagrad_momentum,dtype=bfloat16,stochastic_rounding=true")
+    assert (cfg.optimizer, cfg.dtype, cfg.stochastic_rounding) == ("rowwise_adagrad_momentum", "bfloat16", True)
+    with pytest.raises(ConfigError, match="stochastic_rounding"):
+        _parse_table("name=u,dim=8,stochastic_rounding=true")  # float32 rows are not rounded
 
 
 def test_an_empty_token_file_refuses_to_start_an_open_server(tmp_path: Path) -> None:

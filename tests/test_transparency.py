@@ -24,6 +24,7 @@ import embcache.engine.table as cache_module
 from embcache import CacheConfig, EmbeddingCache, TableConfig
 from embcache.init import init_rows
 from embcache.optim import OptimizerParams, apply_update, initial_state, state_width
+from embcache.rounding import to_storage
 
 from .conftest import row_bytes
 from .fakecuda import fake_cuda
@@ -34,19 +35,21 @@ keys_st = st.lists(st.sampled_from(POOL), min_size=0, max_size=10)
 
 
 class Reference:
-    """All rows in a dict; the same initializer and optimizer as the cache."""
+    """All rows in a dict; the same initializer, optimizer and rounding to the storage dtype as the
+    cache (stochastic rounding seeded by the count of updates, as the cache's)."""
 
     def __init__(self, cfg: TableConfig) -> None:
         self.cfg = cfg
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0), beta1=cfg.beta1, beta2=cfg.beta2)
+        self.steps = 0  # updates applied: the step that seeds stochastic rounding
 
     def get(self, keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         w, s = [], []
         for k in keys:
             if k not in self.rows:
                 row = init_rows(self.cfg.initializer, float(self.cfg.init_scale or 0), self.cfg.seed,
-                                torch.tensor([k]), DIM)[0]
+                                torch.tensor([k]), DIM)[0].to(self.cfg.torch_dtype).float()
                 self.rows[k] = (row, initial_state(self.cfg.optimizer, DIM, 1, torch.device("cpu"))[0])
             w.append(self.rows[k][0])
             s.append(self.rows[k][1])
@@ -60,22 +63,27 @@ class Reference:
         g = torch.zeros(len(uniq), DIM).index_add_(0, torch.tensor([pos[k] for k in keys]), grads)
         w, s = self.get(uniq)
         nw, ns = apply_update(self.cfg.optimizer, self.params, w, s, g)
+        nw = to_storage(nw, self.cfg.torch_dtype, self.cfg.stochastic_rounding, self.cfg.seed,
+                        torch.tensor(uniq, dtype=torch.int64), self.steps).float()
+        self.steps += 1
         for i, k in enumerate(uniq):
             self.rows[k] = (nw[i], ns[i])
 
     def assign(self, keys: list[int], rows: torch.Tensor) -> None:
         fresh = initial_state(self.cfg.optimizer, DIM, 1, torch.device("cpu"))[0]
         for i, k in enumerate(keys):
-            self.rows[k] = (rows[i], fresh.clone())
+            self.rows[k] = (rows[i].to(self.cfg.torch_dtype).float(), fresh.clone())
 
 
-def make_machine(store: str, optimizer: str, device: str = "cpu") -> type[RuleBasedStateMachine]:
+def make_machine(store: str, optimizer: str, device: str = "cpu", dtype: str = "float32",
+                 stochastic_rounding: bool = False) -> type[RuleBasedStateMachine]:
     class CacheMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.tmp = tempfile.mkdtemp(prefix="embcache-prop-")
             self.n_paths = 0
-            self.cfg = TableConfig(name="t", dim=DIM, optimizer=optimizer, lr=0.05, seed=11)
+            self.cfg = TableConfig(name="t", dim=DIM, optimizer=optimizer, lr=0.05, seed=11, dtype=dtype,
+                                   stochastic_rounding=stochastic_rounding)
             self.ref = Reference(self.cfg)
             self.cache: EmbeddingCache | None = None
             self.in_pass = False
@@ -196,7 +204,7 @@ def make_machine(store: str, optimizer: str, device: str = "cpu") -> type[RuleBa
                 self.cache.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
 
-    CacheMachine.__name__ = f"CacheMachine_{store}_{optimizer}_{device}"
+    CacheMachine.__name__ = f"CacheMachine_{store}_{optimizer}_{device}_{dtype}_{stochastic_rounding}"
     return CacheMachine
 
 
@@ -214,5 +222,27 @@ def test_cache_matches_dict_of_rows(store: str, optimizer: str, device: str, mon
     machine: Any = make_machine(store, optimizer, "cuda" if device == "fakecuda" else "cpu")
     machine.TestCase.settings = settings(max_examples=15 if device == "cpu" else 8, stateful_step_count=25,
                                          deadline=None, suppress_health_check=list(HealthCheck))
+    with fake_cuda() if device == "fakecuda" else contextlib.nullcontext():
+        machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize(("optimizer", "store", "device", "dtype", "sr"), [
+    ("rowwise_adagrad_momentum", "rocksdb", "cpu", "float32", False),
+    ("rowwise_adagrad_momentum", "lmdb", "fakecuda", "float32", False),
+    ("rowwise_adagrad_momentum", "rocksdb", "cpu", "float16", True),
+    ("sgd", "lmdb", "cpu", "bfloat16", True),
+    # the torch-op update of the GPU path; sgd, whose CPU kernel is bitwise that of torch, so that
+    # the CPU reference's rounding draws can be compared exactly
+    ("sgd", "rocksdb", "fakecuda", "bfloat16", True),
+])
+def test_cache_matches_dict_of_rows_new_rules(optimizer: str, store: str, device: str, dtype: str,
+                                              sr: bool) -> None:
+    """Momentum-scaled row-wise AdaGrad and stochastic rounding keep the cache's promise: rows moving
+    through HBM, DDR and the store (and checkpoints, reopens) are those of the dict of rows, the
+    low-precision ones to the bit (a stochastic rounding that depended on the tier would differ by
+    a whole bfloat16/float16 step)."""
+    machine: Any = make_machine(store, optimizer, "cuda" if device == "fakecuda" else "cpu", dtype, sr)
+    machine.TestCase.settings = settings(max_examples=8, stateful_step_count=25, deadline=None,
+                                         suppress_health_check=list(HealthCheck))
     with fake_cuda() if device == "fakecuda" else contextlib.nullcontext():
         machine.TestCase().runTest()

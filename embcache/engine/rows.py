@@ -32,7 +32,7 @@ from .stats import SsdStats
 
 __all__ = ["META_TABLES", "TOUCH_BYTES", "Read", "ReaderPool", "RecordCodec", "StagedRead", "StoreRows",
            "admission_meta", "clean_rows", "clock_meta", "expiry_meta", "merge_in_order", "record_bytes",
-           "sketch_meta", "table_meta_names", "touch_owner", "touch_table"]
+           "sketch_meta", "steps_meta", "table_meta_names", "touch_owner", "touch_table"]
 
 META_TABLES = "tables"  # the JSON list of every table's definition
 
@@ -71,6 +71,11 @@ def touch_owner(store_table: str) -> str | None:
     return store_table[len(_TOUCH_PREFIX):] if store_table.startswith(_TOUCH_PREFIX) else None
 
 
+def steps_meta(table: str) -> str:
+    """Metadata name of ``table``'s saved count of updates (the step of stochastic rounding)."""
+    return f"steps/{table}"
+
+
 def table_meta_names(tables: Iterable[str]) -> Iterator[str]:
     """Every metadata name a store holds for ``tables`` (what a copy of the store must carry)."""
     yield META_TABLES
@@ -80,6 +85,7 @@ def table_meta_names(tables: Iterable[str]) -> Iterator[str]:
         yield admission_meta(name)
         yield export_meta(name)
         yield expiry_meta(name)
+        yield steps_meta(name)
 
 
 def record_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:

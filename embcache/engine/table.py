@@ -52,6 +52,7 @@ from .rows import (
     clock_meta,
     merge_in_order,
     sketch_meta,
+    steps_meta,
 )
 from .stats import TableStats
 
@@ -111,6 +112,9 @@ class TableEngine:
         # victims each tier gave up in its last admission (the first guess of the next; see placement.admit)
         self.last_swaps: dict[Tier, int] = {}
         self.stats = TableStats()
+        # updates applied to the table so far (saved with the frequencies): the step that seeds
+        # stochastic rounding (embcache/rounding.py), so that a resumed run rounds as an unbroken one
+        self.update_steps = 0
         self.codec = RecordCodec(cfg, self.state_width)
         self.rows = StoreRows(store, cfg, self.codec, self.stats.ssd)
         # The rows the last lookup read from the store but did not cache, as of store write
@@ -154,6 +158,9 @@ class TableEngine:
         if counts and self.admission is not None:
             self.admission.load_bytes(counts)
         expiry.load(self)
+        steps = store.get_meta(steps_meta(name))
+        if steps:
+            self.update_steps = int(steps)
 
     def save_frequencies(self) -> None:
         """Save the frequency state (resident rows' counts into the sketch, then sketch, clock and
@@ -167,6 +174,7 @@ class TableEngine:
         store.put_meta(clock_meta(name), json.dumps(self.clock.state()).encode())
         if self.admission is not None:
             store.put_meta(admission_meta(name), self.admission.to_bytes())
+        store.put_meta(steps_meta(name), str(self.update_steps).encode())
 
     def reset_mrc(self) -> None:
         """(Re)start the miss-ratio-curve estimator for the current tier capacities."""

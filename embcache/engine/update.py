@@ -13,6 +13,7 @@ import torch
 
 from ..fused import fused_available, fused_update
 from ..optim import apply_update, initial_state
+from ..rounding import to_storage
 from ..tier import to_device
 from ..validate import nonfinite_gradients
 from .expiry import touch_resident
@@ -49,6 +50,7 @@ def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor,
                          grads.to(torch.float32), hbm.fused_scratch())
             touch_resident(t, hbm, slots)
             t.stats.updates += keys.numel()
+            t.update_steps += 1
             return
     if t.device.type == "cpu":
         ukeys, inverse = torch.unique(keys, return_inverse=True)
@@ -65,21 +67,30 @@ def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor,
             raise nonfinite_gradients(t.cfg.name)
     else:
         hit = bool(all_in_hbm)
+    cfg, step = t.cfg, t.update_steps
+
+    def stored(new_w: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
+        # the one cast of updated weights to the storage dtype (stochastic or to nearest)
+        return to_storage(new_w, cfg.torch_dtype, cfg.stochastic_rounding, cfg.seed, row_keys, step)
+
     if hbm.capacity and hit:
         # every row in HBM: update in place, nothing to stage or place
         w = hbm.weights.index_select(0, hslots).to(torch.float32)
-        new_w, new_s = apply_update(t.cfg.optimizer, t.params, w, hbm.state.index_select(0, hslots), gsum)
-        hbm.weights.index_copy_(0, hslots, new_w.to(hbm.weights.dtype))
+        new_w, new_s = apply_update(cfg.optimizer, t.params, w, hbm.state.index_select(0, hslots), gsum)
+        hbm.weights.index_copy_(0, hslots, stored(new_w, ukeys))
         hbm.state.index_copy_(0, hslots, new_s)
         hbm.dirty.index_fill_(0, hslots, True)
         touch_resident(t, hbm, hslots)
     else:
         def update(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
             dev = gsum.device
-            return apply_update(t.cfg.optimizer, t.params, to_device(weights.to(torch.float32), dev),
-                                to_device(state, dev), gsum[to_device(index, dev)])
+            index = to_device(index, dev)
+            new_w, new_s = apply_update(cfg.optimizer, t.params, to_device(weights.to(torch.float32), dev),
+                                        to_device(state, dev), gsum[index])
+            return stored(new_w, ukeys[index]), new_s
 
         t.modify(ukeys, update, hslots=hslots)
+    t.update_steps += 1
     t.stats.updates += keys.numel()
 
 

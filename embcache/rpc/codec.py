@@ -55,7 +55,7 @@ MAX_DIM = (1 << 31) - 1
 # TableConfig fields sent as proto3 optionals (unset on the wire = the dataclass default).
 _OPTIONAL_FIELDS = ("optimizer", "lr", "eps", "beta1", "beta2", "weight_decay", "initial_accumulator_value",
                     "initializer", "init_scale", "seed", "dtype", "memory_share", "admit_after", "unadmitted",
-                    "ttl_steps", "ttl_seconds")
+                    "ttl_steps", "ttl_seconds", "stochastic_rounding")
 
 
 def encode_tensor(values: torch.Tensor | np.ndarray) -> pb.Tensor:

@@ -20,7 +20,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "dim", "optimizer", "lr", "eps", "beta1", "beta2", "weight_decay", "initial_accumulator_value", "initializer", "init_scale", "seed", "dtype", "memory_share", "admit_after", "unadmitted", "ttl_steps", "ttl_seconds")
+    __slots__ = ("name", "dim", "optimizer", "lr", "eps", "beta1", "beta2", "weight_decay", "initial_accumulator_value", "initializer", "init_scale", "seed", "dtype", "memory_share", "admit_after", "unadmitted", "ttl_steps", "ttl_seconds", "stochastic_rounding")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class TableConfig(_message.Message):
     UNADMITTED_FIELD_NUMBER: _ClassVar[int]
     TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STOCHASTIC_ROUNDING_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     optimizer: str
@@ -57,7 +58,8 @@ class TableConfig(_message.Message):
     unadmitted: str
     ttl_steps: int
     ttl_seconds: float
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_share: _Optional[float] = ..., admit_after: _Optional[int] = ..., unadmitted: _Optional[str] = ..., ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    stochastic_rounding: bool
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., memory_share: _Optional[float] = ..., admit_after: _Optional[int] = ..., unadmitted: _Optional[str] = ..., ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., stochastic_rounding: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("version", "max_batch_keys", "reject_nonfinite", "max_receive_message_bytes", "max_send_message_bytes", "device", "durability", "max_lease_seconds", "incarnation", "shard_map", "serving_version", "serving_directory")
