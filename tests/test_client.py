@@ -521,7 +521,7 @@ def test_the_read_only_methods_of_the_embedded_cache(client: Client, tmp_path: P
     # what the client leaves out, and its docstring says why
     missing = {n for n in dir(EmbeddingCache) if not n.startswith("_")} - set(dir(Client))
     assert missing == {"config", "restore", "export_rows", "import_rows", "delete_rows", "begin_export",
-                       "import_version"}
+                       "import_version", "expire_now"}
     for name in missing:
         assert f"``{name}``" in (Client.__doc__ or "")
 

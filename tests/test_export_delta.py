@@ -318,3 +318,29 @@ def test_a_key_rewritten_after_an_export_is_marked_again(make_cache: Any, tmp_pa
     assert (r.kind, r.tables["t"]["rows"]) == ("delta", 2)
     keys_f, weights, _ = _folded(tmp_path / "e", "t")
     assert torch.equal(weights, _rows(cache, "t", keys_f))
+
+
+def test_expired_and_deleted_rows_are_the_next_deltas_deleted_keys(make_cache: Any, tmp_path: Path) -> None:
+    # the lifecycle end to end: rows the sweeper expires (from memory and from the store) and rows
+    # deleted by hand reach serving as deleted keys of the next delta; what stays is exported as is
+    table = TableConfig(name="t", dim=4, optimizer="sgd", lr=0.5, seed=9, ttl_steps=500)
+    cache = make_cache(hbm_rows=8, ddr_rows=8, tables=[table], expiry_interval=3600.0)
+    out = tmp_path / "exports"
+    old, kept = np.arange(0, 60, dtype=np.int64), np.arange(1000, 1010, dtype=np.int64)
+    _train(cache, "t", old, 1.0)
+    _train(cache, "t", kept, 1.0)
+    assert cache.export_delta(out).kind == "full"
+    for _ in range(60):  # 600 steps that touch only `kept`: `old` goes past its 500 steps
+        _train(cache, "t", kept, 0.1)
+    assert cache.delete("t", kept[:2]) == 2
+    cache.expire_now()
+    result = cache.export_delta(out)
+    assert result.kind == "delta"
+    version = latest_version(str(out))
+    assert version is not None
+    part = read_table(version, "t")
+    assert set(part["deleted"].tolist()) == set(old.tolist()) | set(kept[:2].tolist())
+    assert sorted(part["keys"].tolist()) == kept[2:].tolist()
+    keys, weights, _ = _folded(out, "t")
+    assert keys.tolist() == kept[2:].tolist()
+    assert torch.equal(weights, _rows(cache, "t", kept[2:]))

@@ -116,7 +116,9 @@ class Client:
     the shard's half of :meth:`export_delta` (which runs it on every shard); and
     ``import_version``, because an exported version is loaded where a store lives: run
     ``embcache import EXPORT_DIR STORE_DIR`` for a server's path before starting it (with
-    several shards, import into one and :meth:`reshard` onto the others).
+    several shards, import into one and :meth:`reshard` onto the others); and ``expire_now``,
+    because each server's own sweeper expires its rows (every ``CacheConfig.expiry_interval``
+    seconds) and a fleet has no one moment to sweep.
     """
 
     def __init__(self, servers: str | Sequence[str] | Mapping[str, str], *, timeout: float = 60.0,
