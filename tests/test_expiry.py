@@ -320,7 +320,43 @@ def test_a_row_touched_while_the_sweep_reads_its_old_touch_is_kept(tmp_path: Pat
 
         value: list[torch.Tensor] = []
         t.rows.scan_touches = read_then_touch  # type: ignore[method-assign]
+        t.expiry.due.drop()  # as after a restart: this sweep walks the side namespace
         cache.expire_now()
         t.rows.scan_touches = read
         assert _stored(cache) == 1  # row 5, touched after its chunk was read
         torch.testing.assert_close(cache.lookup("t", [5]), value[0], rtol=0, atol=0)
+
+
+def test_sweeps_read_only_the_touches_due_and_walk_once_after_a_restart(tmp_path: Path, store: str) -> None:
+    """A sweep's cost follows what expires: it reads the touches of the buckets whose newest touch
+    has expired, never the whole side namespace, except for one walk after a restart (the touches
+    stored before it are in no bucket); rows touched since their bucket was written are kept."""
+    def no_walk(start: int, limit: int) -> Any:
+        raise AssertionError("the sweep walked the side namespace")
+
+    with EmbeddingCache(_config(tmp_path / "c", store), [_table()]) as cache:
+        t = cache._tables["t"]
+        _train(cache, torch.arange(40))  # 40 rows, most of them stored (16 in memory)
+        cache.expire_now()  # seals the bucket of these touches
+        _advance(cache, 600)
+        before = cache.lookup("t", torch.arange(30, 40))
+        _train(cache, torch.arange(30, 40))  # rows 30..39 touched again, in a later bucket
+        after = cache.lookup("t", torch.arange(30, 40))
+        _advance(cache, 500)  # rows 0..29 are past their TTL, 30..39 are not
+        cache.expire_now()  # seals the second bucket; the first is due
+        t.rows.scan_touches = no_walk  # type: ignore[method-assign]
+        cache.expire_now()
+        assert cache.stats()["t"]["expiry"]["walks"] == 0
+        assert cache.stats()["t"]["expiry"]["expired_store"] + cache.stats()["t"]["expiry"]["expired_hbm"] + \
+            cache.stats()["t"]["expiry"]["expired_ddr"] == 30
+        assert not torch.equal(before, after)
+        torch.testing.assert_close(cache.lookup("t", torch.arange(30, 40)), after, rtol=0, atol=0)  # kept
+    with EmbeddingCache(_config(tmp_path / "c", store), [_table()]) as cache:
+        _advance(cache, TTL + 1)
+        cache.expire_now()  # after the restart: one walk
+        assert cache.stats()["t"]["expiry"]["walks"] == 1
+        assert _stored(cache) <= 1  # everything expired (the key that moved the clock may be stored)
+        cache._tables["t"].rows.scan_touches = no_walk  # type: ignore[method-assign]
+        _train(cache, torch.arange(200, 210))
+        cache.expire_now()
+        assert cache.stats()["t"]["expiry"]["walks"] == 1

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -191,6 +192,13 @@ class RecordCodec:
         return weights, state, fmask
 
 
+class DueIndex(Protocol):
+    """Where :meth:`StoreRows.write_touches` reports each touch it writes (see ``expiry.DueTouches``)."""
+
+    def add(self, keys: np.ndarray, ticks: np.ndarray) -> None:
+        """Note that the touches of ``keys`` were written with ``ticks``."""
+
+
 class StoreRows:
     """One table's rows in the store: every read and write of them, counted, and the write log.
 
@@ -206,6 +214,8 @@ class StoreRows:
         # the side namespace of last touches, kept only when the table's rows expire
         self.touches: str | None = touch_table(cfg.name) if cfg.expires else None
         self._touch_log: list[np.ndarray] | None = None  # keys whose touches were written, while a sweep watches
+        # every touch written, by sweep interval (.expiry.DueTouches): what a sweep must look at
+        self.due: DueIndex | None = None
         self.codec = codec
         self.stats = stats
         # store writes of this table so far: a change tells a cached read it may be stale
@@ -295,6 +305,8 @@ class StoreRows:
         self.store.put_many(self.touches, keys, records)
         if self._touch_log is not None:
             self._touch_log.append(keys.copy())
+        if self.due is not None:
+            self.due.add(keys, ticks)
 
     def watch_touches(self) -> None:
         """Start logging the keys whose touches are written (a sweep reads touches without the lock)."""

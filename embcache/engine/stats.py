@@ -48,6 +48,7 @@ class ExpiryStats:
     deleted: int = 0  # rows that existed and were removed by delete()
     adopted_rows: int = 0  # stored rows given a touch of now (stored before expiry was on)
     sweeps: int = 0
+    walks: int = 0  # sweeps that walked every stored touch (after a restart, or the due buckets overflowed)
     sweep_seconds: float = 0.0
     last_sweep_seconds: float = 0.0
     errors: int = 0  # sweeps that failed (the store failed; the next one tries again)
