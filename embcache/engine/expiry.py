@@ -34,10 +34,12 @@ are dropped from the tiers (and their stored copies and touches deleted), vector
 ``DELETE_CHUNK`` keys per lock hold, if they are not resident.
 
 Step 2 costs what expires, not what is stored: every touch written is also noted in memory
-(:class:`DueTouches`: its key, in a bucket per sweep interval that knows its newest tick), and a
-sweep looks only at the keys of the buckets whose newest tick has expired, reading their current
-touches (``get_many``) to skip those touched again since. A row therefore expires at most one
-sweep interval late. The buckets hold 8 bytes per touch written within the TTL; beyond
+(:class:`DueTouches`: its key, in a bucket of 1/16 of ``ttl_steps`` ticks, or of one sweep
+interval for ``ttl_seconds`` alone, that knows its newest tick), and a sweep looks only at the keys
+of the buckets whose newest tick has expired, reading their current touches (``get_many``) to
+skip those touched again since. A stored row therefore expires at most a bucket late (1/16 of
+``ttl_steps``, or one sweep interval), plus the wait for the next sweep. The buckets hold 8
+bytes per touch written within the TTL; beyond
 ``DUE_MAX_KEYS`` they are dropped, and so they are at a restart (the touches written before it
 are in no bucket): the next sweep then *walks* the whole side namespace with a cursor, in chunks
 of ``SWEEP_CHUNK`` read without the lock (touches written meanwhile are logged and spare their
@@ -66,12 +68,13 @@ from .rows import expiry_meta
 if TYPE_CHECKING:
     from .table import TableEngine
 
-__all__ = ["DELETE_CHUNK", "DUE_MAX_KEYS", "SWEEP_CHUNK", "DueTouches", "Expiry", "Sweeper", "TickTimes",
-           "delete_keys", "flush_touches", "load", "save", "sweep", "threshold", "touch_resident",
+__all__ = ["BUCKETS_PER_TTL", "DELETE_CHUNK", "DUE_MAX_KEYS", "SWEEP_CHUNK", "DueTouches", "Expiry", "Sweeper",
+           "TickTimes", "delete_keys", "flush_touches", "load", "save", "sweep", "threshold", "touch_resident",
            "write_leaving_touches"]
 
 SWEEP_CHUNK = 65536  # touches read per step of a walk (without the lock)
 DUE_MAX_KEYS = 1 << 23  # touches noted in DueTouches at most (64 MiB); past it, sweeps walk the side namespace
+BUCKETS_PER_TTL = 16  # DueTouches' buckets per ttl_steps: a stored row expires at most 1/16 of it late
 DELETE_CHUNK = 8192  # expired rows deleted per lock hold of a sweep
 _TIME_SAMPLES = 256  # tick-time samples per ttl_seconds: a row expires at most ~1/256 of it late
 _INT64_MAX = (1 << 63) - 1
@@ -119,13 +122,16 @@ class TickTimes:
 
 
 class DueTouches:
-    """The keys of the touches written, in buckets of one sweep interval each with its newest tick
-    (see the module docstring); ``complete`` while every stored touch's key is in a bucket."""
+    """The keys of the touches written, bucketed by tick (see the module docstring): with
+    ``ttl_steps``, bucket ``i`` holds the touches of ticks ``[i * span, (i + 1) * span)``, span =
+    ``ttl_steps / BUCKETS_PER_TTL``; with ``ttl_seconds`` alone, a bucket per sweep interval. Each
+    knows its newest tick. ``complete`` while every stored touch's key is in a bucket."""
 
-    def __init__(self) -> None:
-        self.sealed: list[tuple[int, list[np.ndarray]]] = []  # (newest tick, keys) of past intervals
-        self._open: list[np.ndarray] = []
-        self._open_max = _INT64_MIN
+    def __init__(self, span: int) -> None:
+        self.span = span  # ticks per bucket; 0: a bucket per sweep interval (seal() starts the next)
+        self._keys: dict[int, list[np.ndarray]] = {}
+        self._newest: dict[int, int] = {}
+        self._generation = 0
         self.size = 0
         self.complete = False
         self.drops = 0  # times the buckets overflowed and were dropped
@@ -137,28 +143,44 @@ class DueTouches:
         if self.size + keys.size > DUE_MAX_KEYS:
             self.drop()
             return
-        self._open.append(np.array(keys, dtype=np.int64))
-        self._open_max = max(self._open_max, int(np.max(ticks)))
+        keys = np.array(keys, dtype=np.int64)
+        ticks = np.asarray(ticks, dtype=np.int64)
         self.size += int(keys.size)
+        if not self.span:
+            self._put(self._generation, keys, int(ticks.max()))
+            return
+        ids = ticks // self.span
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo == hi:  # the common case: a batch's touches fall in one bucket
+            self._put(lo, keys, int(ticks.max()))
+            return
+        for i in np.unique(ids).tolist():  # a few buckets at most (touches of one batch are close)
+            at = ids == i
+            self._put(int(i), keys[at], int(ticks[at].max()))
+
+    def _put(self, bucket: int, keys: np.ndarray, newest: int) -> None:
+        self._keys.setdefault(bucket, []).append(keys)
+        self._newest[bucket] = max(self._newest.get(bucket, _INT64_MIN), newest)
 
     def drop(self) -> None:
         """Forget every bucket: the next sweep walks the side namespace."""
-        self.sealed, self._open, self._open_max, self.size = [], [], _INT64_MIN, 0
+        self._keys, self._newest, self.size = {}, {}, 0
         self.complete = False
         self.drops += 1
 
     def seal(self) -> None:
-        """Close the current interval's bucket (at the start of a sweep)."""
-        if self._open:
-            self.sealed.append((self._open_max, self._open))
-        self._open, self._open_max = [], _INT64_MIN
+        """Close the current sweep interval's bucket (at the start of a sweep; buckets by tick need not)."""
+        self._generation += 1
 
     def take_due(self, cut: int) -> np.ndarray:
-        """The keys (unique) of the sealed buckets whose newest tick is below ``cut``; those buckets go."""
-        due = [k for newest, keys in self.sealed if newest < cut for k in keys]
-        self.sealed = [(newest, keys) for newest, keys in self.sealed if newest >= cut]
-        self.size = sum(int(k.size) for _, keys in self.sealed for k in keys) + sum(int(k.size) for k in self._open)
-        return np.unique(np.concatenate(due)) if due else np.zeros(0, dtype=np.int64)
+        """The keys (unique) of the buckets whose newest tick is below ``cut`` (sealed ones only,
+        when buckets are by sweep interval); those buckets go."""
+        due = [b for b, newest in self._newest.items() if newest < cut and (self.span or b < self._generation)]
+        keys = [k for b in due for k in self._keys.pop(b)]
+        for b in due:
+            del self._newest[b]
+        self.size -= sum(int(k.size) for k in keys)
+        return np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
 
 
 class Expiry:
@@ -166,7 +188,7 @@ class Expiry:
 
     def __init__(self, ttl_steps: int, ttl_seconds: float) -> None:
         self.ttl_steps = ttl_steps
-        self.due = DueTouches()
+        self.due = DueTouches(max(ttl_steps // BUCKETS_PER_TTL, 1) if ttl_steps > 0 else 0)
         self.times = TickTimes(ttl_seconds)
         self.flushed = 0  # clock tick at the last flush: resident rows' touches below it are stored
         self.adopted = False  # every stored row has a touch (see the module docstring)
