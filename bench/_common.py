@@ -343,3 +343,25 @@ def _json_default(obj: Any) -> Any:
     if hasattr(obj, "tolist"):  # numpy scalars and arrays
         return obj.tolist()
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def plot_phase_latency(phases: Mapping[str, Mapping[str, Any]], path: str, title: str, width: float = 6.0) -> None:
+    """Bars of each phase's lookup p50 and p99 (``phases[name]["p50_ms"]``, ``["p99_ms"]``), saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = list(phases)
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(width, 3.5))
+    ax.bar(x - 0.2, [phases[k]["p50_ms"] for k in labels], 0.4, label="p50")
+    ax.bar(x + 0.2, [phases[k]["p99_ms"] for k in labels], 0.4, label="p99")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("lookup latency, ms")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import machine_info, markdown_table, write_json
+from bench._common import machine_info, markdown_table, plot_phase_latency, write_json
 from embcache import Client
 from embcache.rpc import codec
 from embcache.rpc.v1 import embcache_pb2 as pb
@@ -167,30 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         f.write(f"# Lookups while {STALLED} client streams stall\n\n`{info['command']}` — {n} lookups of {BATCH:,} "
                 f"keys (dim {DIM}, {ROWS:,} rows in memory) per phase, one at a time, deadline 10 s; 20 health "
                 f"checks per phase.\n\n{table}\n")
-    _plot(phases, stem + ".png")
+    plot_phase_latency(phases, stem + ".png", "A client's lookups while other clients' streams stall", width=7)
     print(table)
     print(f"wrote {stem}.json/.md/.png ({time.perf_counter() - t_start:.0f} s)")
     return 0
 
-
-def _plot(phases: dict[str, dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(phases)
-    x = np.arange(len(labels))
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar(x - 0.2, [phases[k]["p50_ms"] for k in labels], 0.4, label="p50")
-    ax.bar(x + 0.2, [phases[k]["p99_ms"] for k in labels], 0.4, label="p99")
-    ax.set_xticks(x, labels)
-    ax.set_ylabel("lookup latency, ms")
-    ax.set_title("A client's lookups while other clients' streams stall")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

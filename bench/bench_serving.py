@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import machine_info, markdown_table, write_json
+from bench._common import machine_info, markdown_table, plot_phase_latency, write_json
 from embcache import Client, TableConfig
 from embcache.export import TablePart, write_version
 from embcache.server.local import LocalServer
@@ -177,30 +177,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"row in memory); while applying, a delta of {DELTA_ROWS:,} changed rows and {DELTA_DELETED} deleted "
                 f"keys is exported every {EVERY:g} s and applied by the server's follow thread (polling every "
                 f"0.05 s). Server start (loading version 1): {start_seconds:.1f} s.\n\n{table}\n")
-    _plot(phases, stem + ".png")
+    plot_phase_latency(phases, stem + ".png", "Serving lookups while the server follows an export", width=6)
     print(table)
     print(f"wrote {stem}.json/.md/.png ({time.perf_counter() - t_start:.0f} s)")
     return 0
 
-
-def _plot(phases: dict[str, dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(phases)
-    x = np.arange(len(labels))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(x - 0.2, [phases[k]["p50_ms"] for k in labels], 0.4, label="p50")
-    ax.bar(x + 0.2, [phases[k]["p99_ms"] for k in labels], 0.4, label="p99")
-    ax.set_xticks(x, labels)
-    ax.set_ylabel("lookup latency, ms")
-    ax.set_title("Serving lookups while the server follows an export")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":
