@@ -172,15 +172,16 @@ class DueTouches:
         """Close the current sweep interval's bucket (at the start of a sweep; buckets by tick need not)."""
         self._generation += 1
 
-    def take_due(self, cut: int) -> np.ndarray:
-        """The keys (unique) of the buckets whose newest tick is below ``cut`` (sealed ones only,
-        when buckets are by sweep interval); those buckets go."""
+    def take_due(self, cut: int) -> list[np.ndarray]:
+        """The keys of the buckets whose newest tick is below ``cut`` (sealed ones only, when buckets
+        are by sweep interval), as noted (duplicates and all: the caller dedups, outside the lock);
+        those buckets go."""
         due = [b for b, newest in self._newest.items() if newest < cut and (self.span or b < self._generation)]
         keys = [k for b in due for k in self._keys.pop(b)]
         for b in due:
             del self._newest[b]
         self.size -= sum(int(k.size) for k in keys)
-        return np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
+        return keys
 
 
 class Expiry:
@@ -363,7 +364,8 @@ def _sweep_due(t: TableEngine) -> None:
     with t.lock:
         t.check_open()
         cut = threshold(t)
-        cand = t.expiry.due.take_due(cut)
+        due = t.expiry.due.take_due(cut)
+    cand = np.unique(np.concatenate(due)) if due else np.zeros(0, dtype=np.int64)
     for start in range(0, cand.size, DELETE_CHUNK):
         part = cand[start:start + DELETE_CHUNK]
         with t.lock:
