@@ -1157,3 +1157,22 @@ def test_delete_reaches_the_shards_that_own_the_keys_and_counts_the_rows(three_s
             c.delete("no-such-table", [1])
         with pytest.raises(InvalidKeysError):
             c.delete(cfg.name, np.array([1.5]))
+
+
+def test_merged_stats_sum_counts_but_not_settings() -> None:
+    from embcache.client.merge import merge_stats
+
+    def shard(lookups: int, setting: dict[str, Any] | None, version: int) -> dict[str, Any]:
+        return {"t": {"lookups": lookups, "expiry": {"ttl_steps": 100, "ttl_seconds": 0.0, "sweeps": 2},
+                      "serving": {"version": version, "directory": "/x", "age_seconds": float(version),
+                                  "applied_versions": 1},
+                      "policy": {"name": "lrfu", "halflife": 4.0 * lookups, "tuned": True, "setting": setting,
+                                 "switches": 1}}}
+
+    tuned = {"halflife_rows": 4.0, "idle_halving": 2.5, "strict": False}
+    merged = merge_stats([shard(10, None, 3), shard(30, tuned, 2), shard(20, None, 3)])["t"]
+    assert merged["lookups"] == 60
+    assert merged["expiry"] == {"ttl_steps": 100, "ttl_seconds": 0.0, "sweeps": 6}
+    assert merged["serving"] == {"version": 2, "directory": "/x", "age_seconds": 3.0, "applied_versions": 3}
+    assert merged["policy"]["setting"] == tuned and merged["policy"]["halflife"] == 120.0  # the busiest shard's
+    assert merged["policy"]["switches"] == 3 and merged["policy"]["shards"] == [None, tuned, None]
