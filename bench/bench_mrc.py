@@ -24,7 +24,7 @@ key (the hash, on the lookup path); ``shadow us/sampled key`` is the rest of the
 time (the background thread running the ten shadows) per sampled key. The caller drains every
 16 batches so that no batch is dropped (``dropped_batches`` is checked to be 0); in the cache
 the shadows run behind the lookups. The number of sampled keys is counted with the estimator's
-own hash (``embcache.mrc._sample``), outside the timed part.
+own hash (``embcache.sim.tuner.sample_keys``), outside the timed part.
 
 Writes ``bench/results/mrc.json`` (``mrc-quick.json`` with ``--quick``; with the machine, package
 versions and git commit), ``mrc.md`` (the error table) and ``mrc.png`` (error and cost against
@@ -50,9 +50,10 @@ if str(_ROOT) not in sys.path:  # run as a script: make `bench` and `embcache` i
 from bench._common import machine_info, markdown_table, write_json  # noqa: E402
 from bench.workloads import WORKLOADS as ALL_WORKLOADS  # noqa: E402
 from bench.workloads import Workload  # noqa: E402
-from embcache.mrc import _RATE_BITS, FACTORS, MissRatioEstimator, _sample, auto_sample_rate  # noqa: E402
+from embcache.mrc import FACTORS, MissRatioEstimator, auto_sample_rate  # noqa: E402
 from embcache.policy import default_halflife  # noqa: E402
 from embcache.sim import LrfuSim  # noqa: E402
+from embcache.sim.tuner import sample_keys  # noqa: E402
 
 RESULTS_DIR = _ROOT / "bench" / "results"
 DEFAULT_WINDOW = 200_000  # MissRatioEstimator's default window (sampled accesses)
@@ -162,8 +163,7 @@ def bench_workload(w: Workload, args: argparse.Namespace, log: Callable[[str], N
     for asked, rate in rates:
         res = run_estimator(keys, bounds, args.hbm, args.ddr, asked)
         assert res["dropped_batches"] == 0, "the estimator dropped batches: the comparison would be biased"
-        threshold = min(int(res["rate"] * 2**_RATE_BITS), 2**_RATE_BITS)
-        sampled = trace.size if res["rate"] >= 1.0 else int(_sample(trace, threshold).size)
+        sampled = int(sample_keys(trace, res["rate"]).size)
         exact = decayed_ratios(exact_hits, sizes, res["rate"])
         err = errors(res["ratios"], exact)
         run = {"label": rate_label(rate, asked is None), "default": asked is None, "rate": res["rate"],

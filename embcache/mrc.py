@@ -46,19 +46,17 @@ import math
 import threading
 from collections import deque
 
-import numba
 import numpy as np
 import torch
 
 from .policy import DEFAULT_IDLE_HALVING, default_halflife
 from .sim import LrfuSim
-from .sim.tuner import Tuner
+from .sim.tuner import RATE_BITS, Tuner, sample_threshold, spatial_sample
 
 __all__ = ["FACTORS", "MissRatioEstimator", "auto_sample_rate"]
 
 FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 _SMALLEST_SHADOW = 512
-_RATE_BITS = 32
 _MAX_PENDING = 64
 _MAX_PENDING_KEYS = 1 << 22  # 32 MiB of copied keys at most
 _WAKE_BATCHES = 16
@@ -66,33 +64,6 @@ _WAKE_SECONDS = 0.5
 # the tuner's miniatures: about this many rows each, sampling at most this share of the keys
 _TUNER_ROWS = 1024
 _TUNER_MAX_RATE = 1.0 / 16
-
-
-@numba.njit(cache=True, nogil=True)
-def _sample(keys: np.ndarray, threshold: int) -> np.ndarray:
-    """Keys whose 32-bit hash is below ``threshold`` (spatial sampling; the same key always agrees).
-
-    Two passes: the hashes and comparisons first, branch-free so that they vectorize (2-4x faster
-    than testing each key as it is hashed), then the rare sampled keys are copied out.
-    """
-    n = keys.shape[0]
-    take = np.empty(n, dtype=np.bool_)
-    bound = np.uint64(threshold)
-    for i in range(n):
-        x = np.uint64(keys[i]) ^ np.uint64(0x2545F4914F6CDD1D)
-        x ^= x >> np.uint64(33)
-        x *= np.uint64(0xFF51AFD7ED558CCD)
-        x ^= x >> np.uint64(33)
-        x *= np.uint64(0xC4CEB9FE1A85EC53)
-        x ^= x >> np.uint64(33)
-        take[i] = (x >> np.uint64(64 - _RATE_BITS)) < bound
-    out = np.empty(n, dtype=np.int64)
-    m = 0
-    for i in range(n):
-        if take[i]:
-            out[m] = keys[i]
-            m += 1
-    return out[:m]
 
 
 def auto_sample_rate(hbm_rows: int) -> float:
@@ -134,13 +105,13 @@ class MissRatioEstimator:
         self.rate = float(rate) if rate is not None else auto_sample_rate(hbm_rows)
         if not 0.0 < self.rate <= 1.0:
             raise ValueError(f"sample rate must be in (0, 1], got {self.rate}")
-        self._threshold = min(int(self.rate * 2**_RATE_BITS), 2**_RATE_BITS)
+        self._threshold = sample_threshold(self.rate)
         self.tuner: Tuner | None = None
         self._tune_threshold = self._threshold
         if tune and hbm_rows + ddr_rows > 0:
             tune_rate = max(self.rate, min(_TUNER_ROWS / (hbm_rows + ddr_rows), _TUNER_MAX_RATE))
-            self._tune_threshold = min(int(tune_rate * 2**_RATE_BITS), 2**_RATE_BITS)
-            self.tuner = Tuner(hbm_rows + ddr_rows, self._tune_threshold / 2**_RATE_BITS)
+            self._tune_threshold = sample_threshold(tune_rate)
+            self.tuner = Tuner(hbm_rows + ddr_rows, self._tune_threshold / 2**RATE_BITS)
         self._lock = threading.Lock()
         memory = hbm_rows + ddr_rows
         self._shadows: dict[tuple[str, float], LrfuSim] = {}
@@ -215,18 +186,15 @@ class MissRatioEstimator:
 
     def _process(self, pending: list[np.ndarray | _DeviceKeys]) -> None:
         looked_up = [k.numpy() if isinstance(k, _DeviceKeys) else k for k in pending]
-        if self._tune_threshold < 2**_RATE_BITS:
-            looked_up_n = [k.shape[0] for k in looked_up]
-            looked_up = [_sample(k, self._tune_threshold) for k in looked_up]
-        else:
-            looked_up_n = [k.shape[0] for k in looked_up]
+        looked_up_n = [k.shape[0] for k in looked_up]
+        if self._tune_threshold < 2**RATE_BITS:
+            looked_up = [spatial_sample(k, self._tune_threshold) for k in looked_up]
         if self.tuner is not None:
             t_sizes = np.array([k.shape[0] for k in looked_up], dtype=np.int64)
             self.tuner.observe_batches(np.concatenate(looked_up), np.concatenate([[0], np.cumsum(t_sizes)]))
         if self._threshold < self._tune_threshold:  # the estimator's sample within the tuner's
-            batches = [(_sample(k, self._threshold), n) for k, n in zip(looked_up, looked_up_n, strict=True)]
-        else:
-            batches = list(zip(looked_up, looked_up_n, strict=True))
+            looked_up = [spatial_sample(k, self._threshold) for k in looked_up]
+        batches = list(zip(looked_up, looked_up_n, strict=True))
         sizes = np.array([b[0].shape[0] for b in batches], dtype=np.int64)
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         keys = np.concatenate([b[0] for b in batches])
