@@ -91,9 +91,10 @@ DEFAULT_IDLE_HALVING = 2.5
 _LN2 = math.log(2.0)
 
 
-def default_halflife(memory_rows: float) -> float:
-    """The default half-life, in ticks, of a table with ``memory_rows`` rows in memory."""
-    return float(max(DEFAULT_HALFLIFE_ROWS * memory_rows, 1024))
+def default_halflife(memory_rows: float, per_row: float = DEFAULT_HALFLIFE_ROWS) -> float:
+    """The half-life, in ticks, of a table with ``memory_rows`` rows in memory: ``per_row`` ticks
+    per row (the default's 40, or a tuned setting's), at least 1,024."""
+    return float(max(per_row * memory_rows, 1024))
 
 
 @dataclass(frozen=True)

@@ -215,9 +215,13 @@ class TableEngine:
         """Advance the aging clock by ``n`` accesses, halving every count when a half-life passes."""
         factor = self.clock.advance(n)
         if factor is not None:
-            self.hbm.scale_freq(factor)
-            self.ddr.scale_freq(factor)
-            self.sketch.scale(factor)
+            self._scale_frequencies(factor)
+
+    def _scale_frequencies(self, factor: float) -> None:
+        """Multiply every aged frequency (resident rows' and the sketch's) by ``factor``."""
+        self.hbm.scale_freq(factor)
+        self.ddr.scale_freq(factor)
+        self.sketch.scale(factor)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, given: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -260,10 +264,7 @@ class TableEngine:
         if setting == self.setting:
             return
         memory_rows = self.hbm.capacity + self.ddr.capacity
-        factor = self.clock.retune(float(max(setting.halflife_rows * memory_rows, 1024)))
-        self.hbm.scale_freq(factor)
-        self.ddr.scale_freq(factor)
-        self.sketch.scale(factor)
+        self._scale_frequencies(self.clock.retune(default_halflife(memory_rows, setting.halflife_rows)))
         self.policy = make_policy("lrfu", self.policy.admission, setting.idle_halving)
         self.strict = setting.strict
         self.setting = setting
