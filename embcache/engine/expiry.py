@@ -272,7 +272,6 @@ def delete_keys(t: TableEngine, keys: torch.Tensor) -> None:
     every tier (pins and all). The store goes first: if it fails, nothing was dropped."""
     k = keys.numpy()
     t.rows.delete(k)
-    t.rows.delete_touches(k)
     for tier in (t.hbm, t.ddr):
         slots = tier.find(keys)
         tier.remove(slots[slots >= 0])
@@ -331,7 +330,6 @@ def _sweep_memory(t: TableEngine) -> None:
                 keys = tier.keys.index_select(0, slots).cpu()
                 k = keys.numpy()
                 t.rows.delete(k)  # a stored copy of the row goes too
-                t.rows.delete_touches(k)
                 tier.remove(slots)
                 t.recent = None
                 setattr(t.stats.expiry, field, getattr(t.stats.expiry, field) + int(slots.numel()))
@@ -376,7 +374,6 @@ def _sweep_due(t: TableEngine) -> None:
                 dead = dead[~t.resident(torch.from_numpy(dead)).numpy()]
             if dead.size:
                 t.rows.delete(dead)
-                t.rows.delete_touches(dead)
                 t.stats.expiry.expired_store += int(dead.size)
 
 
@@ -412,7 +409,6 @@ def _sweep_store(t: TableEngine) -> None:
                     dead = part[~t.resident(torch.from_numpy(part)).numpy()] if part.size else part
                     if dead.size:
                         t.rows.delete(dead)
-                        t.rows.delete_touches(dead)
                         t.stats.expiry.expired_store += int(dead.size)
             if keys.size < SWEEP_CHUNK or keys[-1] == _INT64_MAX:
                 return

@@ -288,11 +288,15 @@ class StoreRows:
         self._logged(keys)
 
     def delete(self, keys: np.ndarray) -> None:
-        """Delete the rows of ``keys`` from the store, logged and marked (a delta export lists them as deleted)."""
+        """Delete the rows of ``keys`` from the store, logged and marked (a delta export lists them as
+        deleted), then their last touches (tables whose rows expire; a touch left by a crash in
+        between only makes a later sweep delete an absent row)."""
         self.writes += 1
         self.changes.mark(keys)
         self.store.delete_many(self.table, keys)
         self._logged(keys)
+        if self.touches is not None and len(keys):
+            self.store.delete_many(self.touches, keys)
 
     # -- the side namespace of last touches (tables whose rows expire; see .expiry) ------------------
     def write_touches(self, keys: np.ndarray, ticks: np.ndarray) -> None:
@@ -332,11 +336,6 @@ class StoreRows:
         assert self.touches is not None
         keys, records = self.store.scan_from(self.touches, start, limit)
         return keys, _ticks(records)
-
-    def delete_touches(self, keys: np.ndarray) -> None:
-        """Forget the last touches of ``keys`` (after their rows were deleted; no-op without expiry)."""
-        if self.touches is not None and len(keys):
-            self.store.delete_many(self.touches, keys)
 
     def _logged(self, keys: np.ndarray) -> None:
         if self._watchers:  # a prefetch is reading the store without the lock: tell it what changed
