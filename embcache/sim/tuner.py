@@ -118,6 +118,7 @@ class Tuner:
         self.scores = np.zeros(len(grid))
         self._window = _WINDOW_ROWS * self.rows
         self.observed = 0
+        self._best = grid[0]  # chosen where the scores change, so that best() costs a lookup nothing
 
     def observe(self, sampled: np.ndarray, batch_ticks: bool = False) -> None:
         """Replay sampled accesses (int64, in order) through every miniature.
@@ -133,6 +134,7 @@ class Tuner:
             hits = np.array([m.access(part, part.shape[0] if batch_ticks else None) for m in self.minis], dtype=float)
             self.scores = self.scores * 0.5 ** (part.shape[0] / self._window) + hits
             self.observed += part.shape[0]
+        self._best = self.grid[int(np.argmax(self.scores))]
 
     def observe_batches(self, keys: np.ndarray, bounds: np.ndarray) -> None:
         """Replay sampled lookup batches ``keys[bounds[b]:bounds[b + 1]]``, each sharing one tick
@@ -143,10 +145,11 @@ class Tuner:
         hits = np.array([float(m.access_batches(keys, bounds).sum()) for m in self.minis])
         self.scores = self.scores * 0.5 ** (n / self._window) + hits
         self.observed += n
+        self._best = self.grid[int(np.argmax(self.scores))]
 
     def best(self) -> Setting:
         """The setting whose miniature hit most over the recent window (the first on ties)."""
-        return self.grid[int(np.argmax(self.scores))]
+        return self._best
 
 
 class AdaptiveLrfuSim:
