@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from embcache.optim import state_width
 from embcache.tier import resident_row_bytes
 
 from .fakecuda import FakeCuda, fake_cuda
+from .realcuda import REAL_CUDA, RealCuda
 
 STORES = ["rocksdb", "lmdb"]
 
@@ -32,20 +34,26 @@ def row_bytes(dim: int, optimizer: str = "sgd") -> int:
     return resident_row_bytes(dim, torch.float32, state_width(optimizer, dim))
 
 
+def cuda_or_stand_in() -> contextlib.AbstractContextManager[Any]:
+    """The CUDA device: the real one where torch sees one, else the stand-in of tests/fakecuda.py."""
+    return contextlib.nullcontext(RealCuda()) if REAL_CUDA else fake_cuda()
+
+
 @pytest.fixture
-def fakecuda() -> Iterator[FakeCuda]:
-    """The test runs under the CUDA stand-in (tests/fakecuda.py): ``device="cuda"`` works on the CPU."""
-    with fake_cuda() as fc:
+def fakecuda() -> Iterator[FakeCuda | RealCuda]:
+    """The test runs on "cuda": under the CPU stand-in (tests/fakecuda.py), or on a real GPU where
+    there is one, through tests/realcuda.py's RealCuda (the same interface)."""
+    with cuda_or_stand_in() as fc:
         yield fc
 
 
-@pytest.fixture(params=["cpu", "fakecuda"])
+@pytest.fixture(params=["cpu", "cuda" if REAL_CUDA else "fakecuda"])
 def device(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The cache's device: "cpu", then "cuda" under the stand-in (its GPU branches run on the CPU)."""
+    """The cache's device: "cpu", then "cuda" (under the stand-in without a GPU: its GPU branches run on the CPU)."""
     if request.param == "cpu":
         yield "cpu"
     else:
-        with fake_cuda():
+        with cuda_or_stand_in():
             yield "cuda"
 
 

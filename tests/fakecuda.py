@@ -194,6 +194,7 @@ class _Props:
 class FakeCuda:
     """The active stand-in: what it counted, per thread. See the module docstring."""
 
+    stand_in = True  # tests/realcuda.py's RealCuda has the same interface on a real GPU
     events: list[tuple[int, str, str]] = field(default_factory=list)  # (thread id, kind, what)
     default_stream: FakeStream = field(default_factory=lambda: FakeStream(name="default"))
     _local: threading.local = field(default_factory=threading.local)

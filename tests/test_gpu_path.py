@@ -1,8 +1,10 @@
-"""The CUDA code path, run on the CPU under the stand-in of tests/fakecuda.py.
+"""The CUDA code path, run on the CPU under the stand-in of tests/fakecuda.py (on a real GPU where
+there is one: tests/realcuda.py).
 
 Each test here failed before the fix it names (under the stand-in), where a real GPU would have
 crashed, synchronized or drawn from the wrong random stream. Backward passes run on the CPU
-device elsewhere: the stand-in cannot carry autograd (see its docstring).
+device elsewhere: the stand-in cannot carry autograd (see its docstring); tests/test_gpu_real.py
+runs them on a real GPU.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.syncs_per_call import BUDGETS, after_call, budget_cache, public_calls
 from embcache import CacheConfig, EmbeddingCache, Keyset, TableConfig
 from embcache.errors import NonFiniteGradientError
 from embcache.nn import CachedEmbedding, CachedEmbeddingBag, CachedEmbeddingBagCollection
 from embcache.optim import OptimizerParams, initial_state, torch_update
 from examples import dlrm
 
-from .fakecuda import FakeCuda, FakeEvent, FakeStream, is_fake_cuda
+from .fakecuda import FakeCuda, FakeEvent, FakeStream
+from .realcuda import STAND_IN_ONLY, on_cuda
 
 
 def adagrad(name: str = "t", dim: int = 8) -> TableConfig:
@@ -39,9 +43,10 @@ def test_all_hit_lookup_syncs_once_and_copies_keys_once(fakecuda: FakeCuda, make
     for k in (keys, keys.cuda()):
         with fakecuda.count() as c:
             out = cache.lookup("t", k)
-        assert is_fake_cuda(out)
-        assert len(c.syncs) <= 1, c.syncs
-        assert c.h2d == ([] if k.is_cuda else ["to(cuda)"]), c.h2d  # once, from pinned memory
+        assert on_cuda(out)
+        assert len(c.syncs) <= 1, c.syncs  # on a real GPU a copy from pageable memory would count too
+        if fakecuda.stand_in:
+            assert c.h2d == ([] if k.is_cuda else ["to(cuda)"]), c.h2d  # once, from pinned memory
     assert torch.equal(out.cpu(), cache.lookup("t", keys).cpu())
 
 
@@ -104,13 +109,13 @@ def test_modules_return_cuda_outputs_for_host_inputs(fakecuda: FakeCuda, make_ca
     input, offsets = torch.tensor([1, 2, 2, 7]), torch.tensor([0, 3])
     with torch.no_grad():
         out = CachedEmbeddingBag(cache, "t", mode="sum")(input, offsets)
-        assert is_fake_cuda(out)
+        assert on_cuda(out)
         torch.testing.assert_close(out.cpu(), torch.stack([rows[[1, 2, 2]].sum(0), rows[7]]))
         ebc = CachedEmbeddingBagCollection(cache, ["t", "u"])
         pooled = ebc({"t": (input, offsets), "u": torch.tensor([[3], [4]])})
         z = torch.cat([torch.ones(2, 4, device="cuda"), pooled["t"], pooled["u"]], dim=1)
-        assert z.shape == (2, 20) and is_fake_cuda(z)
-        assert is_fake_cuda(CachedEmbedding(cache, "t")(torch.tensor([[1, 2]])))
+        assert z.shape == (2, 20) and on_cuda(z)
+        assert on_cuda(CachedEmbedding(cache, "t")(torch.tensor([[1, 2]])))
         assert CachedEmbedding(cache, "t", device="cpu")(torch.tensor([1])).device.type == "cpu"
 
 
@@ -132,44 +137,24 @@ def test_dlrm_forward_step_on_cuda(fakecuda: FakeCuda, tmp_path: Any) -> None:
         with torch.no_grad():
             logits = model(dense, emb(sparse))
             loss = F.binary_cross_entropy_with_logits(logits, labels)
-        assert is_fake_cuda(loss) and math.isfinite(float(loss))
+        assert on_cuda(loss) and math.isfinite(float(loss))
 
 
 # ---------------------------------------------------------------------- the sync budget of each public call
-# Host syncs per call on "cuda", as measured under the stand-in: a regression guard, and the list
-# of what is still left to remove (README, "GPU"). An all-hit lookup is the steady state of a pass
-# and has the tight budget: one sync, the hit count that tells the host nothing missed.
-BUDGETS = {
-    "lookup, all hit": 1,
-    "lookup_many, all hit": 2,  # one per table
-    "apply_gradients, all hit": 2,  # unique; then the finite and the all-resident checks, read back together
-    "lookup, misses": 6,  # hit count, missed keys, victims (2), rows leaving HBM, index insert
-    "apply_gradients, misses": 7,
-    "begin_pass": 11,  # once per pass
-}
-
-
-def test_host_syncs_per_public_call_stay_within_budget(fakecuda: FakeCuda, make_cache: Any) -> None:
+# Host syncs per call on "cuda", as measured under the stand-in (bench/syncs_per_call.py's BUDGETS,
+# which counts them on a real GPU): a regression guard, and the list of what is still left to remove
+# (docs/gpu.md). An all-hit lookup is the steady state of a pass and has the tight budget: one sync,
+# the hit count that tells the host nothing missed.
+def test_host_syncs_per_public_call_stay_within_budget(fakecuda: FakeCuda, store: str, tmp_path: Any) -> None:
     # and no host-to-device copy from pageable memory (before: every one of them; the warm tier,
-    # pinned for this, was read into pageable memory first)
-    cache: EmbeddingCache = make_cache(hbm_rows=64, ddr_rows=128, device="cuda", tables=[adagrad(), adagrad("u")])
-    hot = torch.arange(40)
-    hot_d, grads_d = hot.cuda(), torch.ones(80, 8, device="cuda")
-    cache.lookup_many({"t": hot, "u": hot})
-    calls = {
-        "lookup, all hit": lambda: cache.lookup("t", hot),
-        "lookup_many, all hit": lambda: cache.lookup_many({"t": hot, "u": hot_d}),
-        "apply_gradients, all hit": lambda: cache.apply_gradients("t", hot, torch.ones(40, 8)),
-        "lookup, misses": lambda: cache.lookup("t", torch.arange(20, 220)),
-        "apply_gradients, misses": lambda: cache.apply_gradients("t", torch.arange(500, 580), grads_d),
-        "begin_pass": lambda: cache.begin_pass({"t": torch.arange(1000, 1100)}),
-    }
-    for name, call in calls.items():
-        with fakecuda.count() as c:
-            call()
-        assert len(c.syncs) <= BUDGETS[name], f"{name}: {len(c.syncs)} host syncs: {c.syncs}"
-        assert not [h for h in c.h2d if "pageable" in h], f"{name}: copies from pageable memory: {c.h2d}"
-    cache.end_pass().result()
+    # pinned for this, was read into pageable memory first). On a real GPU such a copy is a sync.
+    with budget_cache(str(tmp_path / "c"), store) as cache:
+        for name, call in public_calls(cache).items():
+            with fakecuda.count() as c:
+                call()
+            after_call(cache, name)
+            assert len(c.syncs) <= BUDGETS[name], f"{name}: {len(c.syncs)} host syncs: {c.syncs}"
+            assert not [h for h in c.h2d if "pageable" in h], f"{name}: copies from pageable memory: {c.h2d}"
 
 
 def test_nonfinite_gradients_on_cuda_are_refused_before_anything_changes(fakecuda: FakeCuda, make_cache: Any) -> None:
@@ -197,14 +182,14 @@ def test_rows_below_hbm_take_the_hot_rows_update_rule_on_cuda(fakecuda: FakeCuda
     keys = torch.arange(40)  # 16 stay in DDR, the rest are read from the store and written back
     params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
                              weight_decay=cfg.weight_decay)
-    want = cache.lookup("t", keys).cpu()
-    state = initial_state(cfg.optimizer, 64, 40, torch.device("cpu"), cfg.initial_accumulator_value)
+    want = cache.lookup("t", keys)
+    state = initial_state(cfg.optimizer, 64, 40, want.device, cfg.initial_accumulator_value)
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
-        grads = torch.randn(40, 64, generator=gen)
+        grads = torch.randn(40, 64, generator=gen).cuda()
         cache.apply_gradients("t", keys, grads)
-        want, state = torch_update(cfg.optimizer, params, want, state, grads)  # the hot rows' rule
-    assert torch.equal(cache.lookup("t", keys).cpu(), want)
+        want, state = torch_update(cfg.optimizer, params, want, state, grads)  # the hot rows' rule, on the GPU
+    assert torch.equal(cache.lookup("t", keys).cpu(), want.cpu())
 
 
 # ---------------------------------------------------------------------- item 4: background work vs the caller's streams
@@ -213,6 +198,8 @@ def test_background_gpu_work_is_ordered_with_the_callers_stream(fakecuda: FakeCu
     # worker and the end-of-pass write-back issued theirs on whatever stream their thread had,
     # unordered with a caller training on its own stream. Now background jobs run on the cache's
     # side stream, and each lock holder's stream waits for the previous holder's last event.
+    if not fakecuda.stand_in:
+        pytest.skip(STAND_IN_ONLY)
     cache: EmbeddingCache = make_cache(hbm_rows=64, ddr_rows=64, device="cuda")
     user = torch.cuda.Stream()
     with torch.cuda.stream(user):
@@ -278,7 +265,8 @@ def test_resize_frees_the_old_tiers_before_making_new_ones(fakecuda: FakeCuda, m
     with fakecuda.count():
         assert cache.create_table(adagrad("u"))
     assert alive_when_made == [0, 0, 0, 0]  # t's two new tiers, u's two: every old array gone
-    assert {"empty_cache", "host_empty_cache"} <= set(fakecuda.counts("mem"))
+    if fakecuda.stand_in:  # on a real GPU: tests/test_gpu_real.py, memory given back
+        assert {"empty_cache", "host_empty_cache"} <= set(fakecuda.counts("mem"))
     assert fakecuda.pinned_bytes() == 0
     assert t.hbm.capacity == 16 and t.ddr.capacity == 32
     torch.testing.assert_close(cache.lookup("t", keys).cpu(), want, rtol=0, atol=0)
@@ -314,7 +302,8 @@ def test_close_releases_every_tier(fakecuda: FakeCuda, make_cache: Any) -> None:
     t = cache._tables["t"]
     cache.close()
     assert t.hbm.capacity == 0 and t.ddr.capacity == 0 and _array_bytes(t.hbm) == _array_bytes(t.ddr) == 0
-    assert {"empty_cache", "host_empty_cache"} <= set(fakecuda.counts("mem"))
+    if fakecuda.stand_in:
+        assert {"empty_cache", "host_empty_cache"} <= set(fakecuda.counts("mem"))
     assert fakecuda.pinned_bytes() == 0
 
 
@@ -334,7 +323,7 @@ def test_segment_sum_adds_each_keys_gradients_in_batch_order(fakecuda: FakeCuda)
     ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
     want = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse, grads)
     got = segment_sum(grads.cuda(), inverse.cuda(), counts.cuda())
-    assert is_fake_cuda(got)
+    assert on_cuda(got)
     assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))  # bitwise, signs of zero too
     shuffled = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse.flip(0), grads.flip(0))
     assert not torch.equal(shuffled, want)  # another order gives other bits: the order is what is tested
@@ -351,7 +340,8 @@ def test_cuda_update_of_duplicate_keys_matches_the_cpu_sum(fakecuda: FakeCuda, m
     params = OptimizerParams(lr=cfg.lr, eps=float(cfg.eps or 0.0), beta1=cfg.beta1, beta2=cfg.beta2,
                              weight_decay=cfg.weight_decay)
     state = initial_state(cfg.optimizer, 16, ukeys.numel(), torch.device("cpu"), cfg.initial_accumulator_value)
-    gsum = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse, grads)
-    want, _ = torch_update(cfg.optimizer, params, before, state, gsum)
+    gsum = torch.zeros(ukeys.numel(), 16).index_add_(0, inverse, grads)  # the CPU's sum, in batch order
+    # the update itself on the cache's device (a GPU's rounding of the rule may differ from the CPU's)
+    want, _ = torch_update(cfg.optimizer, params, before.cuda(), state.cuda(), gsum.cuda())
     cache.apply_gradients("t", keys.cuda(), grads.cuda())
-    assert torch.equal(cache.lookup("t", ukeys).cpu(), want)
+    assert torch.equal(cache.lookup("t", ukeys).cpu(), want.cpu())

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from embcache import index as index_mod
 from embcache.index import KeyIndex, NumbaIndex, TorchIndex, make_index, mix64, unmix64
 
+from .conftest import cuda_or_stand_in
 from .fakecuda import fake_cuda
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
@@ -439,7 +440,7 @@ def test_torch_index_gpu_insert_and_erase_sync_once_and_match_the_cpu_path() -> 
     cpu.insert(keys, torch.arange(keys.numel()))
     cpu.erase(keys[::3])
     cpu.insert(keys[::3], torch.arange(keys[::3].numel()))
-    with fake_cuda() as fc:
+    with cuda_or_stand_in() as fc:
         gpu = TorchIndex(4000, "cuda")
         for op in ("insert", "erase", "insert"):
             with fc.count() as c:

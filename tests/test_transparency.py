@@ -26,8 +26,7 @@ from embcache.init import init_rows
 from embcache.optim import OptimizerParams, apply_update, initial_state, state_width
 from embcache.rounding import to_storage
 
-from .conftest import row_bytes
-from .fakecuda import fake_cuda
+from .conftest import cuda_or_stand_in, row_bytes
 
 DIM = 4
 POOL = [-(2**63), 2**63 - 1, -1, 0, 2**53 + 1, *range(1, 14)]
@@ -222,7 +221,7 @@ def test_cache_matches_dict_of_rows(store: str, optimizer: str, device: str, mon
     machine: Any = make_machine(store, optimizer, "cuda" if device == "fakecuda" else "cpu")
     machine.TestCase.settings = settings(max_examples=15 if device == "cpu" else 8, stateful_step_count=25,
                                          deadline=None, suppress_health_check=list(HealthCheck))
-    with fake_cuda() if device == "fakecuda" else contextlib.nullcontext():
+    with cuda_or_stand_in() if device == "fakecuda" else contextlib.nullcontext():
         machine.TestCase().runTest()
 
 
@@ -244,5 +243,5 @@ def test_cache_matches_dict_of_rows_new_rules(optimizer: str, store: str, device
     machine: Any = make_machine(store, optimizer, "cuda" if device == "fakecuda" else "cpu", dtype, sr)
     machine.TestCase.settings = settings(max_examples=8, stateful_step_count=25, deadline=None,
                                          suppress_health_check=list(HealthCheck))
-    with fake_cuda() if device == "fakecuda" else contextlib.nullcontext():
+    with cuda_or_stand_in() if device == "fakecuda" else contextlib.nullcontext():
         machine.TestCase().runTest()
