@@ -26,10 +26,14 @@ gradients already on the device:
 
 Miss setup, per dim: a second cache over ``--miss-rows`` rows (default ``--rows``) whose HBM tier
 holds 25% of them and whose DDR tier (pinned on CUDA) a further 25%; the rest live only in the
-RocksDB store. It is filled by chunked lookups of every row, warmed up by one pass over the timed
-batches, then ``lookup`` and ``apply_gradients`` are timed on batches of Zipf(1.05) keys over all
-its rows. The JSON records, per timed window, the deltas of ``cache.stats()``: lookups, HBM and
-DDR hits, store hits and rows created (``hbm_hit_ratio`` = HBM hits / lookups), and updates.
+RocksDB store. It is filled by chunked updates of every row (a row only looked up is not written
+to the store when it leaves memory, and would be made again instead of read), warmed up by one
+pass over the timed batches, then ``lookup`` and ``apply_gradients`` are timed on batches of
+Zipf(1.05) keys over all its rows (the same hot rows; the updates' batches drawn apart from the
+lookups', which would otherwise have just brought their rows into memory). The JSON records, per
+timed window, the deltas of ``cache.stats()``: lookups, HBM and DDR hits, store hits and rows
+created (``hbm_hit_ratio`` = HBM hits / lookups), updates, HBM promotions and demotions, and rows
+read from and written to the store (an update's rows show only there).
 
 Timing: each call is timed alone between ``torch.cuda.synchronize()`` calls (no-ops on the CPU);
 a rate is the batch over the median time of ``--reps`` calls after warm-up (min and max times in
