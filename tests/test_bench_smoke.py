@@ -45,11 +45,44 @@ def test_bench_gpu_on_cpu_writes_positive_rates(tmp_path: Path) -> None:
             for op in ("lookup", "update", "index_select"):
                 assert 0 < c[op]["keys_per_s_min"] <= c[op]["keys_per_s"] <= c[op]["keys_per_s_max"]
                 assert c[op]["calls"] == 3
-    assert len(doc["summary"]) == 4 and all(s["ratio"] > 0 for s in doc["summary"])
+            for op in ("lookup", "update", "index_select"):  # nothing counted off CUDA
+                assert c["syncs"][op] == {"available": False, "count": None, "where": []}
+        for op in ("lookup", "update"):  # pipelined: the CPU returns from the last call before the end
+            p = r["pipelined"][op]
+            assert p["calls"] == 3 and 0 < p["issue_s"] <= p["total_s"] and p["keys_per_s"] > 0
+        m = r["miss"]
+        assert m["rows"] == 4096 and m["hbm_capacity_rows"] < 4096 and m["ddr_capacity_rows"] > 0
+        tiers = m["lookup"]["tiers"]
+        assert tiers["lookups"] == (3 + 8) * 1024  # warm-up (one pass over the 8 batches) and timed calls
+        assert tiers["hbm_hits"] + tiers["ddr_hits"] + tiers["store_hits"] + tiers["store_created"] == tiers["lookups"]
+        assert 0 < m["hbm_hit_ratio"] < 1 and tiers["store_hits"] > 0  # misses reach the store
+        assert tiers["store_created"] == 0  # every row was written to the store by the fill (updates)
+        assert m["update"]["tiers"]["updates"] == (3 + 8) * 1024 and m["update"]["calls"] == 3
+        assert 0 < m["lookup"]["keys_per_s"] and 0 < m["update"]["keys_per_s"]
+        assert set(m["syncs"]) == {"lookup", "update"}
+        assert r["errors"] == {} and r["phase_seconds"]["misses"] > 0
+    assert len(doc["summary"]) == 8 and all(s["ratio"] > 0 for s in doc["summary"])
+    assert doc["errors"] == {}
     assert doc["reference"]["keys_per_s"] == 2e9
     assert (tmp_path / "gpu.md").read_text().startswith("# HBM-tier rates on cpu")
     assert (tmp_path / "gpu.png").stat().st_size > 0
     _check_header(doc, "bench/bench_gpu.py")
+    md = (tmp_path / "gpu.md").read_text()
+    assert "syncs/call" in md and "Pipelined" in md and "25% of 4,096 in HBM" in md
+
+
+def test_bench_gpu_records_a_failed_phase_and_goes_on(tmp_path: Path) -> None:
+    # dim 0 is refused by TableConfig in both phases; dim 8 is still measured, and the exit code says it failed
+    args = ["--device", "cpu", "--dims", "0,8", "--rows", "2048", "--batch", "512", "--reps", "2",
+            "--out", str(tmp_path)]
+    assert bench_gpu.main(args) == 1
+    doc = json.loads((tmp_path / "gpu.json").read_text())
+    bad, good = doc["results"]
+    assert set(bad["errors"]) == {"all-hit", "misses"} and "ConfigError" in bad["errors"]["all-hit"]
+    assert set(doc["errors"]) == {"dim 0: all-hit", "dim 0: misses"}
+    assert good["errors"] == {} and good["traces"]["zipf"]["lookup"]["keys_per_s"] > 0
+    assert good["miss"]["update"]["keys_per_s"] > 0
+    assert "Failed phases" in (tmp_path / "gpu.md").read_text() and (tmp_path / "gpu.png").stat().st_size > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto runs the full benchmark where CUDA is present")
