@@ -29,7 +29,7 @@ print('numpy', numpy.__version__, 'numba', numba.__version__, 'grpc', grpc.__ver
 
 echo "== bench_gpu"
 t0=$SECONDS
-timeout 90 "$py" bench/bench_gpu.py --quick --out "$out" 2>&1 | tee "$out/bench.log"
+timeout 75 "$py" bench/bench_gpu.py --quick --out "$out" 2>&1 | tee "$out/bench.log"
 echo "bench rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s" | tee -a "$out/bench.log"
 
 echo "== host syncs per public call"
