@@ -6,7 +6,7 @@ Run from the repository root on a machine with CUDA::
 
 The calls are those of the sync budget that ``tests/test_gpu_path.py`` asserts (under the CPU
 stand-in in CI, on the device where there is one): :func:`public_calls` builds them for both.
-Each call is counted once, after the same calls ran once untimed (so lazy set-up is not counted),
+Each call is counted once, right after the same call ran once uncounted (so lazy set-up is not counted),
 with where each sync came from. Without CUDA it prints that it is skipped and exits 0.
 """
 
@@ -90,11 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="embcache-syncs-") as work:
         with budget_cache(os.path.join(work, "c")) as cache:
             calls = public_calls(cache)
-            for name, call in calls.items():  # warm-up: lazy set-up (streams, kernels, staging) is not counted
-                call()
-                after_call(cache, name)
-            torch.cuda.synchronize()
             for name, call in calls.items():
+                call()  # warm-up, just before (an all-hit call's rows are resident again): lazy set-up is not counted
+                after_call(cache, name)
+                torch.cuda.synchronize()
                 with count_syncs() as syncs:
                     call()
                 after_call(cache, name)
