@@ -43,7 +43,8 @@ until the last call returned (before the final sync). An ``issue_s`` near the to
 does not run ahead of the GPU (host syncs, or the CPU side is the bottleneck).
 
 Host syncs per call: for each contender (all-hit lookup, update and index_select on both key
-traces, miss lookup and update) one call after warm-up is run inside
+traces: one call after a warm-up call of the same batch; miss lookup and update: one call of a
+fresh Zipf batch, since a batch just seen finds its rows resident) one call is run inside
 :func:`embcache.syncs.count_syncs` (torch's sync debug mode, the calling thread's syncs); the JSON
 records the count and where each sync was made (``file:line``). On the CPU nothing is counted
 (``available`` false; "—" in the table). The count is a floor: torch does not report every sync.
@@ -178,14 +179,19 @@ def pipelined(fn: Callable[[int], object], calls: int, batch: int, sync: Callabl
             "issue_share": issued / total}
 
 
-def syncs_of_one_call(fn: Callable[[int], object], sync: Callable[[], None]) -> dict[str, Any]:
-    """The host syncs of one call ``fn(0)`` (after a warm-up call): count and where (None off CUDA)."""
-    fn(0)
+def syncs_of(call: Callable[[], object], sync: Callable[[], None]) -> dict[str, Any]:
+    """The host syncs of one ``call()``: count and where (None off CUDA)."""
     sync()
     with count_syncs() as seen:
-        fn(0)
+        call()
     sync()
     return {"available": seen.available, "count": len(seen) if seen.available else None, "where": seen.where}
+
+
+def syncs_of_one_call(fn: Callable[[int], object], sync: Callable[[], None]) -> dict[str, Any]:
+    """The host syncs of one call ``fn(0)``, after a warm-up call of the same batch (all hits stay all hits)."""
+    fn(0)
+    return syncs_of(lambda: fn(0), sync)
 
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -371,8 +377,12 @@ def miss_phases(ph: Phases, out: dict[str, Any], miss_rows: int, batch: int, rep
         if isinstance(miss.get("lookup"), dict):
             miss["hbm_hit_ratio"] = miss["lookup"]["tiers"]["hbm_hit_ratio"]
 
+        # a batch never seen: one seen just before would find its rows resident (no misses to count)
+        fresh = ids.to(device)[zipf_positions(2 * batch, miss_rows, rng).to(device)].view(2, batch)
+
         def syncs() -> None:
-            miss["syncs"] = {op: syncs_of_one_call(fn, sync) for op, fn in fns.items()}
+            miss["syncs"] = {"lookup": syncs_of(lambda: cache.lookup(TABLE, fresh[0], out=buf), sync),
+                             "update": syncs_of(lambda: cache.apply_gradients(TABLE, fresh[1], grads), sync)}
 
         ph.run("miss syncs per call", syncs)
 

@@ -48,8 +48,13 @@ tr '\r' '\n' <"$out/demo.log" | grep -v "^train:\|^eval:\|^data:\|^keysets" | ta
 
 echo "== tests"
 t0=$SECONDS
-OMP_NUM_THREADS=2 NUMBA_NUM_THREADS=2 timeout "$test_s" "$py" -m pytest -p no:cacheprovider -n 14 --dist loadfile \
-    -v -ra --durations=20 -o faulthandler_timeout=100 --junitxml="$out/junit.xml" \
+# -o addopts= drops the project's -q (it cancels -v); SIGINT at the limit lets pytest write its summary and the
+# JUnit file (SIGTERM kills it before either); a per-test timeout where pytest-timeout is installed
+per_test=()
+"$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120)
+OMP_NUM_THREADS=2 NUMBA_NUM_THREADS=2 timeout -s INT -k 20 "$test_s" "$py" -m pytest -o addopts= -p no:cacheprovider \
+    -n 14 --dist loadfile -v -rfE --durations=20 -o faulthandler_timeout=100 "${per_test[@]}" \
+    --junitxml="$out/junit.xml" \
     --ignore=tests/test_docs.py --ignore=tests/test_deploy.py --ignore=tests/test_packaging.py \
     >"$out/pytest.log" 2>&1
 echo "pytest rc=$? in $((SECONDS - t0)) s" >>"$out/pytest.log"

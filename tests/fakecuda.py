@@ -1,6 +1,6 @@
 """A CPU-only stand-in for one CUDA device, so that the ``device.type == "cuda"`` branches run in CI.
 
-No machine with a GPU has run this project. Under :func:`fake_cuda`, ``torch.cuda.is_available()``
+CI has no GPU (docs/gpu.md says what ran on one). Under :func:`fake_cuda`, ``torch.cuda.is_available()``
 is True and a tensor "on cuda:0" is a :class:`FakeCudaTensor`: a wrapper subclass that reports
 ``device == cuda:0`` and holds its data in a CPU tensor (``.elem``). A
 :class:`~torch.overrides.TorchFunctionMode` sees every torch call and runs it on the CPU data,
