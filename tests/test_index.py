@@ -499,3 +499,20 @@ def test_torch_index_gpu_insert_and_erase_sync_once_and_match_the_cpu_path() -> 
         for name in ("_keys", "_slots"):
             assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
         assert torch.equal(gpu.find(keys.cuda()).cpu(), cpu.find(keys))
+
+
+@pytest.mark.parametrize("capacity", [3, 250, 5000])
+def test_torch_index_filler_keys_are_ordinary_keys(capacity: int) -> None:
+    # Empty entries hold one of two filler keys (buckets 0 and 1 each hold the other's); as keys
+    # of their own they must be found only once inserted, on both find paths.
+    index = TorchIndex(capacity)
+    fill = t([index._fill0, index._fill1], index.device)
+    h = mix64(fill)
+    assert index._bucket(h, False).tolist() == index._bucket(h, True).tolist() == [0, 1]
+    index.insert(t([12345], index.device), t([0], index.device))  # not empty: find searches
+    assert index.find(fill).tolist() == [-1, -1] and index._find_one_pass(fill, h).tolist() == [-1, -1]
+    index.insert(fill, t([1, 2], index.device))
+    assert index.find(fill).tolist() == [1, 2] and index._find_one_pass(fill, h).tolist() == [1, 2]
+    index.erase(fill[:1])
+    assert index.find(fill).tolist() == [-1, 2] and index._find_one_pass(fill, h).tolist() == [-1, 2]
+    assert index.find(t([12345], index.device)).tolist() == [0]

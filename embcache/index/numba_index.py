@@ -1,10 +1,14 @@
 """NumbaIndex: open addressing with linear probing in numba kernels (CPU only, the hot path).
 
-The table has ``next_pow2(2 * capacity)`` entries (load <= 50%: ~1.5 probes per hit, ~2.5 per
-miss), stored as one ``int64 [T, 2]`` array of ``(key, slot)`` pairs so that a probe reads a
-single cache line. Deletion shifts the rest of the cluster back (no tombstones, so probe lengths
-do not degrade under churn), and at most ``capacity`` of the >= ``2 * capacity`` entries are
-used, so inserts cannot fail. The kernels are numba ``@njit(cache=True, nogil=True)`` functions on
+The table has ``ceil(capacity / LOAD)`` entries (:data:`LOAD` = 0.5: ~1.5 probes per hit, ~2.5
+per miss), stored as one ``int32 [T, 3]`` array of ``(key's low half, key's high half, slot)``
+triples: 12 bytes an entry, 24 per row (a power of two of 16-byte entries took 32 to 64). A key's
+home entry is its hash's high 32 bits times ``T``, shifted down by 32 (multiply-shift range
+reduction), so ``T`` need not be a power of two; probes wrap around the end. A probe reads one
+cache line, or two where the entry straddles them (2 entries in 16); the kernels prefetch both.
+Deletion shifts the rest of the cluster back (no tombstones, so probe lengths do not degrade
+under churn), and at most ``capacity`` of the > ``capacity`` entries are used, so inserts
+cannot fail. The kernels are numba ``@njit(cache=True, nogil=True)`` functions on
 numpy views of the torch tensors (no copies), compiled on first use so that numba stays optional.
 The table is far larger than the caches, so a probe is a cache miss: the kernels hash a group of
 keys and prefetch their lines before probing any of them, which keeps many misses in flight (2-3x
@@ -417,7 +421,7 @@ class NumbaIndex(KeyIndex):
         if not 0 < load < 1:
             raise ValueError(f"load must be in (0, 1), got {load}")
         # At least one more entry than keys, so that a probe always ends at an empty entry.
-        size = max(16, self.capacity + 1, math.ceil(self.capacity / load))
+        size = max(self.capacity + 1, math.ceil(self.capacity / load))
         if self.capacity >= 1 << 31 or size >= _MAX_ENTRIES:
             raise ValueError(f"NumbaIndex holds fewer than 2**31 keys in fewer than 2**32 entries, got capacity "
                              f"{self.capacity} at load {load}")
@@ -450,7 +454,7 @@ class NumbaIndex(KeyIndex):
 
     @property
     def table_size(self) -> int:
-        """Entries in the open-addressing table (``ceil(capacity / load)``, at least 16)."""
+        """Entries in the open-addressing table (``ceil(capacity / load)``, at least ``capacity + 1``)."""
         return int(self._tab.shape[0])
 
     @staticmethod

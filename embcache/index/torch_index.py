@@ -21,10 +21,10 @@ of two and the table is sized to the load, not rounded up:
 - Keys whose candidate buckets are both full go to a small sorted *stash*, searched with
   ``searchsorted``. Only a full stash (``capacity / 256`` keys) doubles ``nb`` and rebuilds;
   each doubling splits every bucket by one more bit of each hash half, so colliding keys part.
-- Empty entries of bucket ``b`` hold a *filler* key whose two buckets are both ``b + 1`` (mod
-  ``nb``); a key probing ``b`` therefore never equals it, so a key match is always a live entry
-  and ``find`` compares keys only, then reads one slot per key. Fillers are computed from the
-  bucket number when needed, not stored.
+- Empty entries of bucket ``b`` hold a *filler* key whose two buckets are both 0 (for
+  ``b != 0``), or both 1 (for ``b = 0``); a key probing ``b`` therefore never equals it, so a key
+  match is always a live entry and ``find`` compares keys only, then reads one slot per key.
+  (Two keys for the whole table, not one stored per bucket.)
 - Keys of one insert batch that target the same bucket are sorted by bucket; the key of rank
   ``r`` in its bucket takes the bucket's ``r``-th free entry.
 """
@@ -87,19 +87,20 @@ class TorchIndex(KeyIndex):
         return self._bytes(self._nb)
 
     def _filler(self, b: torch.Tensor) -> torch.Tensor:
-        """The filler keys of buckets ``b``: keys whose two buckets are both ``b + 1`` (mod nb),
-        never ``b``. Empty entries of bucket b hold it, so a key probing b (its h1 or h2 is b)
-        cannot equal it: a key match is always a live entry, and find compares keys only, then
-        reads one slot per key."""
-        c = torch.where(b + 1 == self._nb, 0, b + 1)
-        # The least 32-bit x with (x * nb) >> 32 == c; as both halves of the hash, both buckets are c.
-        x = torch.div(c * (1 << 32) + (self._nb - 1), self._nb, rounding_mode="floor")
-        return unmix64((x << 32) | x)
+        """The filler keys of buckets ``b``: the key whose two buckets are both 1 for bucket 0, the
+        key whose two buckets are both 0 for the others. Empty entries of bucket b hold it, so a
+        key probing b (its h1 or h2 is b) cannot equal it: a key match is always a live entry, and
+        find compares keys only, then reads one slot per key."""
+        return torch.where(b == 0, self._fill1, self._fill0)
 
     def _alloc(self, nb: int) -> None:
         if nb >= 1 << 31:  # (x * nb) >> 32 must not overflow int64
             raise RuntimeError(f"TorchIndex cannot grow past 2**31 buckets (capacity {self.capacity})")
         self._nb = nb
+        # The least 32-bit x with (x * nb) >> 32 == c, as both halves of a hash, is a key whose
+        # two buckets are both c (0 and 1 here; computed on the host, no device work).
+        both = [(x << 32 | x) - ((x >> 31) << 64) for x in (0, -(-(1 << 32) // nb))]
+        self._fill0, self._fill1 = unmix64(torch.tensor(both, dtype=torch.int64)).tolist()
         # Flat tables of nb * B entries and one more, outside every bucket: where the GPU path's
         # masked writes put the entries it does not mean to write (a write to a position picked
         # out by a boolean mask would cost a host sync to learn how many there are).
