@@ -11,6 +11,7 @@ of a frequency-based cache), queried with batches of 65,536 keys drawn Zipf(alph
 10M ids (hot ids scattered over the id space by a random permutation, as in
 ``bench/workloads.py``): ~91% of lookups hit. Also reported for each index:
 
+- its table's bytes per resident key (``nbytes / capacity``: what a tier counts per row);
 - find on uniform-random batches over the 10M ids (~90% misses, no locality: the worst case);
 - erase and insert rates: a batch of 65,536 resident keys erased and inserted back (at capacity);
 - a CPU tier's whole lookup, ``find`` then ``index_select`` of the found float32 rows (dim 128),
@@ -238,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             "device": str(data_of[name]["zipf"].device),
             **med,
             "lookup_vs_index_select": med["lookup_rows_per_s"] / med["index_select_rows_per_s"],
+            # the table's bytes per resident key (what a tier counts per row for its index)
+            "bytes_per_key": index.nbytes / cap if hasattr(index, "nbytes") else None,
             "lookup_vs_index_select_median_of_pairs": statistics.median(
                 s / lk for s, lk in zip(tn["select"], tn["lookup"], strict=True)),
             "best": rates(min),
@@ -276,9 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.alpha} (hit ratio {hit_ratio:.3f}); {torch.get_num_threads()} torch threads, "
             f"{os.cpu_count()} cpus; median of {args.reps} repetitions")
     table = markdown_table(
-        ["index", "find zipf (keys/s)", "find uniform (keys/s)", "erase (keys/s)", "insert (keys/s)",
+        ["index", "bytes/key", "find zipf (keys/s)", "find uniform (keys/s)", "erase (keys/s)", "insert (keys/s)",
          f"find + index_select dim {args.dim} (rows/s)", "index_select alone (rows/s)", "ratio"],
-        [[row["index"], m(row["find_zipf_keys_per_s"]), m(row["find_uniform_keys_per_s"]), m(row["erase_keys_per_s"]),
+        [[row["index"], "—" if row["bytes_per_key"] is None else f"{row['bytes_per_key']:.1f}",
+          m(row["find_zipf_keys_per_s"]), m(row["find_uniform_keys_per_s"]), m(row["erase_keys_per_s"]),
           m(row["insert_keys_per_s"]), m(row["lookup_rows_per_s"]), m(row["index_select_rows_per_s"]),
           format_ratio(row["lookup_vs_index_select"])] for row in rows])
     write_json(stem + ".json", result)

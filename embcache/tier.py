@@ -24,11 +24,12 @@ __all__ = ["MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory", "reside
 # dirty (1 + 1), pins (4), the free-slot stack (8), the fused update's slot map (4) and the
 # eviction sample's marks (4).
 _BOOKKEEPING_BYTES = 46
-# The key index: 16 bytes (key, slot) per entry, next_pow2(2 x rows) entries, i.e. 32 to 64
-# bytes per row; counted at its upper bound so that a tier never outgrows its byte budget.
-# TorchIndex (the CUDA index) sizes its buckets to stay within it too (TorchIndex.nbytes), until
-# a full stash makes it grow (adversarial keys; not seen at its load).
-_INDEX_BYTES = 64
+# The key index: entries of 12 bytes (key, int32 slot) in tables sized to their load, not rounded
+# up to a power of two. NumbaIndex (CPU): 2 entries per row (load 0.5), 24 bytes. TorchIndex (the
+# CUDA index): 8-entry buckets at load <= 0.55 and a stash, ~22 bytes (TorchIndex.nbytes), until
+# a full stash makes it grow (adversarial keys; not seen at its load). 64 before (16-byte
+# entries, next_pow2(2 x rows) of them).
+_INDEX_BYTES = 24
 
 
 def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:

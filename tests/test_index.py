@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import os
 import signal
 import sys
@@ -17,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embcache import index as index_mod
-from embcache.index import KeyIndex, NumbaIndex, TorchIndex, make_index, mix64, unmix64
+from embcache.index import KeyIndex, NumbaIndex, TorchIndex, make_index, mix64, numba_index, unmix64
+from embcache.tier import _INDEX_BYTES
 
 from .conftest import cuda_or_stand_in
 from .fakecuda import fake_cuda
@@ -169,24 +171,27 @@ def test_unmix64_inverts_mix64() -> None:
     assert torch.equal(mix64(unmix64(keys)), keys)
 
 
-def _colliding_keys(n: int, low: int) -> list[int]:
-    """``n`` keys whose hashes share the low 32 bits (``low``) and bits 32..39 (0xAB).
+def _colliding_keys(n: int) -> list[int]:
+    """``n`` (<= 256) keys whose hashes differ only below bit 24 of each 32-bit half: the high
+    half is ``2**32 - 1 - (j << 16)``, the low half ``j << 16``.
 
-    For TorchIndex (fewer than 2**8 buckets) that is one first and one second bucket for all of
-    them; for NumbaIndex one home entry, so one long cluster.
+    Both indexes map a half ``x`` to ``(x * size) >> 32``. For TorchIndex (fewer than 2**8
+    buckets) that is one first bucket (the last) and one second bucket (the first) for all of
+    them; for NumbaIndex (fewer than 2**8 entries per 2**24 of the high half) the last one or two
+    entries, so one long cluster that wraps around the end of the table.
     """
     j = torch.arange(n, dtype=torch.int64)
-    return unmix64((j << 40) | (0xAB << 32) | low).tolist()
+    return unmix64(((((1 << 32) - 1) - (j << 16)) << 32) | (j << 16)).tolist()
 
 
 @pytest.mark.parametrize("pattern", ["same-hash-bits", "multiples-of-2^40"])
 def test_adversarial_collisions(make: Factory, pattern: str) -> None:
-    capacity = 256
+    capacity = 250  # tables of 500 entries (NumbaIndex), 53 buckets (TorchIndex): no powers of two
     if pattern == "same-hash-bits":
-        # TorchIndex: 32 fit in the two buckets, the stash overflows, the table must grow until
-        # the hash bits above 40 separate the keys. NumbaIndex: home = the last entry, so the
-        # cluster wraps around the end of the table.
-        keys = _colliding_keys(capacity, 2**32 - 1)
+        # TorchIndex: 16 fit in the two buckets, the stash overflows, the table must grow until
+        # lower hash bits separate the keys. NumbaIndex: home = one of the last two entries, so
+        # the cluster wraps around the end of the table.
+        keys = _colliding_keys(capacity)
     else:
         keys = [(i + 1) << 40 for i in range(capacity // 2)] + [-(i + 1) << 40 for i in range(capacity // 2)]
     ref = Reference(make(capacity))
@@ -211,7 +216,7 @@ def test_torch_stash(width: int) -> None:
     # 40 keys for the same two buckets: 2 * width fit there, the rest go to the stash, no growth.
     index = TorchIndex(256, bucket_width=width)
     nb = index.n_buckets
-    keys = _colliding_keys(40, 5)
+    keys = _colliding_keys(40)
     ref = Reference(index)
     ref.insert(keys[:30], list(range(30)))
     ref.insert(keys[30:], list(range(30, 40)))
@@ -327,10 +332,11 @@ def test_numba_rejects_cuda() -> None:
 
 
 def test_numba_big_table_on_huge_pages() -> None:
-    # Capacity 2**18: a 8 MiB table, allocated through the huge-page path where there is one.
+    # Capacity 2**18: a 6 MiB table, allocated through the huge-page path where there is one.
     pytest.importorskip("numba")
     index = NumbaIndex(1 << 18)
-    assert index.table_size == 1 << 19
+    assert index.table_size == math.ceil((1 << 18) / numba_index.LOAD)
+    assert index.nbytes == 12 * index.table_size <= _INDEX_BYTES << 18
     keys = torch.from_numpy(np.random.default_rng(5).permutation(1 << 20)[: 1 << 18].astype(np.int64)) - (1 << 19)
     index.insert(keys, torch.arange(keys.numel()))
     assert torch.equal(index.find(keys), torch.arange(keys.numel()))
@@ -430,16 +436,43 @@ def test_find_touch_gather_copies_found_rows_and_counts_like_find_touch(n: int, 
 
 
 @pytest.mark.parametrize("capacity", [1024, 3000, 4100, 4400, 65537, 70000, 262145])
-def test_torch_index_stays_within_the_tiers_index_budget(capacity: int) -> None:
-    # The tiers count 64 bytes of key index per row (tier.py); rounding the buckets up to a power
-    # of two took TorchIndex (the CUDA index) to ~68.5 (4100 rows: 2048 buckets of 137 bytes).
+def test_indexes_stay_within_the_tiers_index_budget(capacity: int) -> None:
+    # The tiers count _INDEX_BYTES of key index per row (tier.py). Rounding TorchIndex's buckets
+    # up to a power of two once took it past the count; both are sized to their load now.
     index = TorchIndex(capacity)
-    assert index.nbytes <= 64 * capacity
+    assert index.nbytes <= _INDEX_BYTES * capacity
     keys = torch.randperm(10 * capacity, generator=torch.Generator().manual_seed(capacity))[:capacity] * 7919 - 5
     slots = torch.arange(capacity)
     index.insert(keys, slots)  # full: at most 55% load, no growth
-    assert index.n_buckets == TorchIndex(capacity).n_buckets and index.nbytes <= 64 * capacity
+    assert index.n_buckets == TorchIndex(capacity).n_buckets and index.nbytes <= _INDEX_BYTES * capacity
     assert torch.equal(index.find(keys), slots)
+    if index_mod.numba_available():
+        assert NumbaIndex(capacity).nbytes <= _INDEX_BYTES * capacity
+
+
+def test_torch_index_stash_stays_small_under_churn_at_full_load() -> None:
+    # A tier's index is full and churns: every batch of misses evicts as many keys as it admits.
+    # Filling first buckets to the brim (the placement before) stashed up to 0.3% of keys here
+    # (60 of the stash's 78; 0.6% and a doubled table at 60% load); now at most 0.015%.
+    capacity, batch = 20_000, 2_000
+    rng = np.random.default_rng(11)
+    index = TorchIndex(capacity)
+    nb = index.n_buckets
+    live = rng.choice(2**62, size=capacity, replace=False)
+    index.insert(torch.from_numpy(live), torch.arange(capacity))
+    fresh = iter(rng.choice(2**62, size=4 * capacity, replace=False) - 2**62)  # disjoint from live
+    most = 0
+    for _ in range(4 * capacity // batch):
+        out = rng.choice(capacity, size=batch, replace=False)  # positions in live: evicted
+        index.erase(torch.from_numpy(live[out]))
+        live[out] = [next(fresh) for _ in range(batch)]
+        index.insert(torch.from_numpy(live[out]), torch.from_numpy(out))
+        most = max(most, index.n_stashed)
+    assert index.n_buckets == nb and most <= capacity // 1000
+    assert torch.equal(index.find(torch.from_numpy(live)), torch.arange(capacity))
+    # Most keys still sit in their first bucket: the CPU find reads one bucket for them.
+    first = index._bucket(mix64(index._keys), False) == torch.arange(nb)[:, None]
+    assert int((first & (index._slots >= 0)).sum()) > 0.8 * capacity
 
 
 def test_torch_index_gpu_insert_and_erase_sync_once_and_match_the_cpu_path() -> None:
@@ -466,3 +499,20 @@ def test_torch_index_gpu_insert_and_erase_sync_once_and_match_the_cpu_path() -> 
         for name in ("_keys", "_slots"):
             assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
         assert torch.equal(gpu.find(keys.cuda()).cpu(), cpu.find(keys))
+
+
+@pytest.mark.parametrize("capacity", [3, 250, 5000])
+def test_torch_index_filler_keys_are_ordinary_keys(capacity: int) -> None:
+    # Empty entries hold one of two filler keys (buckets 0 and 1 each hold the other's); as keys
+    # of their own they must be found only once inserted, on both find paths.
+    index = TorchIndex(capacity)
+    fill = t([index._fill0, index._fill1], index.device)
+    h = mix64(fill)
+    assert index._bucket(h, False).tolist() == index._bucket(h, True).tolist() == [0, 1]
+    index.insert(t([12345], index.device), t([0], index.device))  # not empty: find searches
+    assert index.find(fill).tolist() == [-1, -1] and index._find_one_pass(fill, h).tolist() == [-1, -1]
+    index.insert(fill, t([1, 2], index.device))
+    assert index.find(fill).tolist() == [1, 2] and index._find_one_pass(fill, h).tolist() == [1, 2]
+    index.erase(fill[:1])
+    assert index.find(fill).tolist() == [-1, 2] and index._find_one_pass(fill, h).tolist() == [-1, 2]
+    assert index.find(t([12345], index.device)).tolist() == [0]

@@ -1,10 +1,14 @@
 """NumbaIndex: open addressing with linear probing in numba kernels (CPU only, the hot path).
 
-The table has ``next_pow2(2 * capacity)`` entries (load <= 50%: ~1.5 probes per hit, ~2.5 per
-miss), stored as one ``int64 [T, 2]`` array of ``(key, slot)`` pairs so that a probe reads a
-single cache line. Deletion shifts the rest of the cluster back (no tombstones, so probe lengths
-do not degrade under churn), and at most ``capacity`` of the >= ``2 * capacity`` entries are
-used, so inserts cannot fail. The kernels are numba ``@njit(cache=True, nogil=True)`` functions on
+The table has ``ceil(capacity / LOAD)`` entries (:data:`LOAD` = 0.5: ~1.5 probes per hit, ~2.5
+per miss), stored as one ``int32 [T, 3]`` array of ``(key's low half, key's high half, slot)``
+triples: 12 bytes an entry, 24 per row (a power of two of 16-byte entries took 32 to 64). A key's
+home entry is its hash's high 32 bits times ``T``, shifted down by 32 (multiply-shift range
+reduction), so ``T`` need not be a power of two; probes wrap around the end. A probe reads one
+cache line, or two where the entry straddles them (2 entries in 16); the kernels prefetch both.
+Deletion shifts the rest of the cluster back (no tombstones, so probe lengths do not degrade
+under churn), and at most ``capacity`` of the > ``capacity`` entries are used, so inserts
+cannot fail. The kernels are numba ``@njit(cache=True, nogil=True)`` functions on
 numpy views of the torch tensors (no copies), compiled on first use so that numba stays optional.
 The table is far larger than the caches, so a probe is a cache miss: the kernels hash a group of
 keys and prefetch their lines before probing any of them, which keeps many misses in flight (2-3x
@@ -19,6 +23,7 @@ counters, and counts and copies a still earlier one, all in one pass.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._bits import M1, M2, next_pow2
+from .._bits import M1, M2
 from ..hostmem import huge_page_zeros
 from .base import KeyIndex
 
@@ -42,8 +47,14 @@ _CHUNK = 16384
 # numba versions before compiling the entry points.
 _M1_U64 = np.uint64(M1)
 _M2_U64 = np.uint64(M2)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_ONE = np.uint64(1)
+_S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
+_ONE, _ZERO = np.uint64(1), np.uint64(0)
+_LOW32 = np.int64(0xFFFFFFFF)
+# The most entries a table may have: the home's range reduction multiplies a 32-bit hash by it.
+_MAX_ENTRIES = 1 << 32
+# Keys per table entry at capacity: 2 entries of 12 bytes, 24 bytes of index per row. At 0.6
+# (20 bytes) finds of resident keys ran 10-15% slower (bench/bench_index.py, see the commit).
+LOAD = 0.5
 # Keys hashed and prefetched ahead of probing. A probe is a random access into a table much
 # larger than the caches; issuing the loads of a whole group first keeps many cache misses in
 # flight instead of one per mispredicted probe loop (2-3x the find rate). 128 lines = 8 KiB,
@@ -55,13 +66,27 @@ _AHEAD = 16
 _RING = 64
 
 
-def _home_py(k: int, mask: Any) -> Any:
-    # mix64 in uint64 (mixing int64 with uint64 in numba would promote to float64), then the
-    # table index. Identical bits to embcache._bits.mix64().
+def _home_py(k: int, size: Any) -> Any:
+    # mix64 in uint64 (mixing int64 with uint64 in numba would promote to float64; identical bits
+    # to embcache._bits.mix64()), then the table index by multiply-shift range reduction
+    # ("fastrange"): the high 32 bits of the hash times size (< 2**32), shifted down by 32, fall
+    # evenly in [0, size) for any size, so the table need not be a power of two.
     x = np.uint64(k)
     x = (x ^ (x >> _S30)) * _M1_U64
     x = (x ^ (x >> _S27)) * _M2_U64
-    return (x ^ (x >> _S31)) & mask
+    x = x ^ (x >> _S31)
+    return ((x >> _S32) * size) >> _S32
+
+
+def _key_py(tab: Any, j: Any) -> Any:
+    # The key of entry j, from its two 32-bit halves.
+    return (np.int64(tab[j, 1]) << 32) | (np.int64(tab[j, 0]) & _LOW32)
+
+
+def _next_py(j: Any, size: Any) -> Any:
+    # The entry after j, wrapping around the end of the table.
+    j += _ONE
+    return _ZERO if j == size else j
 
 
 def _prefetch_py(ary: Any, idx: Any) -> None:
@@ -69,47 +94,48 @@ def _prefetch_py(ary: Any, idx: Any) -> None:
     pass
 
 
-def _lookup_py(tab: Any, k: int, j: Any, mask: Any) -> Any:
+def _lookup_py(tab: Any, k: int, j: Any, size: Any) -> Any:
     while True:
-        s = tab[j, 1]
-        if s < 0 or tab[j, 0] == k:
+        s = np.int64(tab[j, 2])
+        if s < 0 or _key(tab, j) == k:
             # A hit returns its slot; an empty entry (slot -1) ends the cluster: a miss.
             return s
-        j = (j + _ONE) & mask
+        j = _next(j, size)
 
 
-def _hash_group_py(tab: Any, keys: Any, lo: int, hi: int, homes: Any, mask: Any) -> None:
+def _hash_group_py(tab: Any, keys: Any, lo: int, hi: int, homes: Any, size: Any) -> None:
     # The home entries of keys[lo:hi] into homes[:hi - lo], each entry's line prefetched, so that
     # the group's probes that follow find their lines in flight or cached.
     for i in range(lo, hi):
-        h = _home(keys[i], mask)
+        h = _home(keys[i], size)
         homes[i - lo] = h
         _prefetch(tab, (h, 0))
+        _prefetch(tab, (h, 2))  # the entry's other line, where it straddles two (2 in 16 do)
 
 
 def _find_py(tab: Any, keys: Any, out: Any) -> None:
-    mask = np.uint64(tab.shape[0] - 1)
+    size = np.uint64(tab.shape[0])
     n = keys.shape[0]
     homes = np.empty(_GROUP, np.uint64)
     for lo in range(0, n, _GROUP):
         hi = min(lo + _GROUP, n)
-        _hash_group(tab, keys, lo, hi, homes, mask)
+        _hash_group(tab, keys, lo, hi, homes, size)
         for i in range(lo, hi):
-            out[i] = _lookup(tab, keys[i], homes[i - lo], mask)
+            out[i] = _lookup(tab, keys[i], homes[i - lo], size)
 
 
 def _find_touch_py(tab: Any, keys: Any, out: Any, freq: Any, last: Any, inc: float, now: int) -> int:
     # _find_py, and each hit counts one access of its row (freq += inc, last = now) as it is
     # found: one pass instead of find, a hit count and a touch (the all-hit lookup's hot path).
-    mask = np.uint64(tab.shape[0] - 1)
+    size = np.uint64(tab.shape[0])
     n = keys.shape[0]
     homes = np.empty(_GROUP, np.uint64)
     hits = 0
     for lo in range(0, n, _GROUP):
         hi = min(lo + _GROUP, n)
-        _hash_group(tab, keys, lo, hi, homes, mask)
+        _hash_group(tab, keys, lo, hi, homes, size)
         for i in range(lo, hi):
-            s = _lookup(tab, keys[i], homes[i - lo], mask)
+            s = _lookup(tab, keys[i], homes[i - lo], size)
             out[i] = s
             if s >= 0:
                 freq[s] += inc
@@ -130,23 +156,25 @@ def _find_gather_py(tab: Any, keys: Any, slots: Any, freq: Any, last: Any, inc: 
     # median of 11): 0.76 -> 0.74 ms per 8,192 keys at dim 64, 9.5 -> 7.5 ms per 65,536 keys at
     # dim 128. The stages are written out: as an inlined helper they compiled 2.7x
     # slower, and as one loop over the three offsets (no prologue) 15% slower.
-    mask = np.uint64(tab.shape[0] - 1)
+    size = np.uint64(tab.shape[0])
     n, dim = keys.shape[0], rows.shape[1]
     homes = np.empty(_RING, np.uint64)
     hits = 0
     for j in range(min(_AHEAD, n)):  # the loop's first step hashes key _AHEAD
-        h = _home(keys[j], mask)
+        h = _home(keys[j], size)
         homes[j % _RING] = h
         _prefetch(tab, (h, 0))
+        _prefetch(tab, (h, 2))
     for i in range(-_AHEAD, n):
         j = i + 2 * _AHEAD
         if j < n:
-            h = _home(keys[j], mask)
+            h = _home(keys[j], size)
             homes[j % _RING] = h
             _prefetch(tab, (h, 0))
+            _prefetch(tab, (h, 2))
         j = i + _AHEAD
         if j < n:
-            s = _lookup(tab, keys[j], homes[j % _RING], mask)
+            s = _lookup(tab, keys[j], homes[j % _RING], size)
             slots[j] = s
             if s >= 0:
                 for c in range(0, dim, 16):  # 16 float32 = one 64-byte line
@@ -179,56 +207,64 @@ def _touch_py(slots: Any, freq: Any, last: Any, inc: float, now: int) -> int:
 
 
 def _insert_py(tab: Any, keys: Any, slots: Any) -> None:
-    # Sequential: keys of one batch may share clusters. Load stays <= 50%, so the probe always
-    # reaches a free entry.
-    mask = np.uint64(tab.shape[0] - 1)
+    # Sequential: keys of one batch may share clusters. The table has more entries than keys, so
+    # the probe always reaches a free entry.
+    size = np.uint64(tab.shape[0])
     n = keys.shape[0]
     homes = np.empty(_GROUP, np.uint64)
     for lo in range(0, n, _GROUP):
         hi = min(lo + _GROUP, n)
-        _hash_group(tab, keys, lo, hi, homes, mask)
+        _hash_group(tab, keys, lo, hi, homes, size)
         for i in range(lo, hi):
             j = homes[i - lo]
-            while tab[j, 1] >= 0:
-                j = (j + _ONE) & mask
-            tab[j, 0] = keys[i]
-            tab[j, 1] = slots[i]
+            while tab[j, 2] >= 0:
+                j = _next(j, size)
+            k = keys[i]
+            tab[j, 0] = k & _LOW32  # stored as int32: the low half's bits
+            tab[j, 1] = k >> 32
+            tab[j, 2] = slots[i]
 
 
 def _erase_py(tab: Any, keys: Any) -> int:
-    mask = np.uint64(tab.shape[0] - 1)
+    size = np.uint64(tab.shape[0])
     n = keys.shape[0]
     homes = np.empty(_GROUP, np.uint64)
     removed = 0
     for lo in range(0, n, _GROUP):
         hi = min(lo + _GROUP, n)
-        _hash_group(tab, keys, lo, hi, homes, mask)
+        _hash_group(tab, keys, lo, hi, homes, size)
         for i in range(lo, hi):
             k = keys[i]
             j = homes[i - lo]
-            while tab[j, 1] >= 0 and tab[j, 0] != k:
-                j = (j + _ONE) & mask
-            if tab[j, 1] < 0:
+            while tab[j, 2] >= 0 and _key(tab, j) != k:
+                j = _next(j, size)
+            if tab[j, 2] < 0:
                 continue  # absent
             removed += 1
             # Backward-shift deletion: walk the rest of the cluster and move back every entry
             # whose home is not cyclically inside (hole, j], so each key stays reachable from
-            # its home and no tombstones accumulate.
+            # its home and no tombstones accumulate. Distances are cyclic: the cluster may wrap
+            # around the end of the table, whose size need not be a power of two.
             hole = j
             while True:
-                j = (j + _ONE) & mask
-                if tab[j, 1] < 0:
+                j = _next(j, size)
+                if tab[j, 2] < 0:
                     break
-                h = _home(tab[j, 0], mask)
-                if ((j - h) & mask) >= ((j - hole) & mask):
+                h = _home(_key(tab, j), size)
+                from_home = j - h if j >= h else j + size - h
+                from_hole = j - hole if j >= hole else j + size - hole
+                if from_home >= from_hole:
                     tab[hole, 0] = tab[j, 0]
                     tab[hole, 1] = tab[j, 1]
+                    tab[hole, 2] = tab[j, 2]
                     hole = j
-            tab[hole, 1] = -1
+            tab[hole, 2] = -1
     return removed
 
 
 _home: Any = _home_py
+_key: Any = _key_py
+_next: Any = _next_py
 _prefetch: Any = _prefetch_py
 _lookup: Any = _lookup_py
 _hash_group: Any = _hash_group_py
@@ -263,32 +299,33 @@ def _prefetch_intrinsic(numba: Any) -> Any:
 
 def _numba_kernels() -> dict[str, Any]:
     """The compiled NumbaIndex kernels (loaded from numba's disk cache after the first run)."""
-    global _home, _prefetch, _lookup, _hash_group
+    global _home, _key, _next, _prefetch, _lookup, _hash_group
     if _KERNELS:
         return _KERNELS
     import numba
 
     inline = numba.njit(cache=True, nogil=True, inline="always")
-    tab_keys_out = "void(int64[:, ::1], int64[::1], int64[::1])"
+    tab_keys_out = "void(int32[:, ::1], int64[::1], int64[::1])"
 
     def build(prefetch: Any) -> dict[str, Any]:
-        global _home, _prefetch, _lookup, _hash_group
-        _home, _lookup, _prefetch = inline(_home_py), inline(_lookup_py), prefetch
+        global _home, _key, _next, _prefetch, _lookup, _hash_group
+        _home, _key, _next, _prefetch = inline(_home_py), inline(_key_py), inline(_next_py), prefetch
+        _lookup = inline(_lookup_py)  # after _key and _next: it calls them
         _hash_group = inline(_hash_group_py)  # after _home and _prefetch: it calls them
         kernels: dict[str, Any] = {
             "find": numba.njit(tab_keys_out, cache=True, nogil=True)(_find_py),
             "insert": numba.njit(tab_keys_out, cache=True, nogil=True)(_insert_py),
-            "erase": numba.njit("int64(int64[:, ::1], int64[::1])", cache=True, nogil=True)(_erase_py),
-            "find_touch": numba.njit("int64(int64[:, ::1], int64[::1], int64[::1], float64[::1], int64[::1], "
+            "erase": numba.njit("int64(int32[:, ::1], int64[::1])", cache=True, nogil=True)(_erase_py),
+            "find_touch": numba.njit("int64(int32[:, ::1], int64[::1], int64[::1], float64[::1], int64[::1], "
                                      "float64, int64)", cache=True, nogil=True)(_find_touch_py),
             "touch": numba.njit("int64(int64[::1], float64[::1], int64[::1], float64, int64)",
                                 cache=True, nogil=True)(_touch_py),
-            "find_gather": numba.njit("int64(int64[:, ::1], int64[::1], int64[::1], float64[::1], int64[::1], "
+            "find_gather": numba.njit("int64(int32[:, ::1], int64[::1], int64[::1], float64[::1], int64[::1], "
                                       "float64, int64, float32[:, ::1], float32[:, ::1])",
                                       cache=True, nogil=True)(_find_gather_py),
         }
         # Compile-or-load now, so that a failure surfaces here rather than mid-training.
-        tab = np.full((16, 2), -1, np.int64)
+        tab = np.full((17, 3), -1, np.int32)
         keys = np.arange(3, dtype=np.int64)
         kernels["insert"](tab, keys, keys)
         kernels["find"](tab, keys, np.empty(3, np.int64))
@@ -371,18 +408,27 @@ class NumbaIndex(KeyIndex):
     """Linear-probing hash table with numba kernels (CPU only).
 
     Args:
-        capacity: the most keys it must hold at once (>= 1).
+        capacity: the most keys it must hold at once (1 to 2**31 - 1: slots are stored as int32).
         device: must be a CPU device.
+        load: keys per entry at capacity, in (0, 1) (the table has ``ceil(capacity / load)``
+            entries of 12 bytes); the default :data:`LOAD` is what the tiers count.
     """
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", load: float = LOAD) -> None:
         super().__init__(capacity, device)
         if self.device.type != "cpu":
             raise ValueError(f"NumbaIndex runs on the CPU only, got device {self.device}")
+        if not 0 < load < 1:
+            raise ValueError(f"load must be in (0, 1), got {load}")
+        # At least one more entry than keys, so that a probe always ends at an empty entry.
+        size = max(self.capacity + 1, math.ceil(self.capacity / load))
+        if self.capacity >= 1 << 31 or size >= _MAX_ENTRIES:
+            raise ValueError(f"NumbaIndex holds fewer than 2**31 keys in fewer than 2**32 entries, got capacity "
+                             f"{self.capacity} at load {load}")
         self._k = _numba_kernels()
-        size = max(16, next_pow2(2 * self.capacity))
-        # (key, slot) pairs; slot -1 marks an empty entry. The kernels see it through .numpy().
-        self._tab = huge_page_zeros(size * 16).view(np.int64).reshape(size, 2)
+        # (low half of the key, high half, slot) as int32 triples; slot -1 marks an empty entry.
+        # The kernels see it through .numpy().
+        self._tab = huge_page_zeros(size * 12).view(np.int32).reshape(size, 3)
         self._tab.fill(-1)
         self._table = torch.from_numpy(self._tab)
         self._views: dict[int, tuple[torch.Tensor, Any]] = {}
@@ -402,8 +448,13 @@ class NumbaIndex(KeyIndex):
         return tuple(views)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the table (12 per entry)."""
+        return int(self._tab.nbytes)
+
+    @property
     def table_size(self) -> int:
-        """Entries in the open-addressing table (a power of two >= 2 * capacity)."""
+        """Entries in the open-addressing table (``ceil(capacity / load)``, at least ``capacity + 1``)."""
         return int(self._tab.shape[0])
 
     @staticmethod
@@ -471,7 +522,7 @@ class NumbaIndex(KeyIndex):
 
         Args:
             keys: int64 [n] CPU tensor, unique and currently absent (not checked).
-            slots: int64 [n] CPU tensor.
+            slots: int64 [n] CPU tensor, each in ``[0, 2**31)`` (stored as int32; not checked).
 
         Raises:
             RuntimeError: if ``len(self) + n > capacity`` (nothing is changed).
@@ -493,5 +544,5 @@ class NumbaIndex(KeyIndex):
 
     def clear(self) -> None:
         """Remove every key."""
-        self._table[:, 1].fill_(-1)
+        self._table[:, 2].fill_(-1)
         self._len = 0

@@ -1,39 +1,54 @@
 """TorchIndex: bucketed two-choice hashing in plain torch ops (any device: the CUDA path, and the
 CPU fallback without numba).
 
-``nb`` buckets (a power of two) of ``B = 8`` entries, ``keys`` and ``slots`` each an
-``int64 [nb, B]`` tensor, sized for <= 50% load (<= 55% where a power of two of buckets at 50%
-would pass the tiers' 64 bytes of index per row). Key ``k`` may live in bucket
-``h1 = mix64(k) mod nb`` or ``h2 = (mix64(k) >> 32) mod nb``:
+``nb = ceil(capacity / (B * LOAD))`` buckets of ``B = 8`` entries (a load of at most
+:data:`LOAD` = 55%), keys in an ``int64 [nb, B]`` tensor and slots in an ``int32 [nb, B]`` one:
+12 bytes an entry, ~22 bytes per row with the stash marks (34-60 before: 16-byte entries in a
+power of two of buckets). Key ``k`` may live in bucket ``h1``
+or ``h2``, the high and the low 32 bits of ``mix64(k)`` each mapped to ``[0, nb)`` by
+multiply-shift range reduction (``(x * nb) >> 32``, "fastrange"), so ``nb`` need not be a power
+of two and the table is sized to the load, not rounded up:
 
-- Inserts fill ``h1`` first and use ``h2`` only when ``h1`` is full, so ~98% of keys sit in
-  ``h1``; ``find`` on CPU reads one 64-byte bucket per key and a second one only for the keys it
-  did not find there (misses, mostly). On CUDA it reads both in one gather instead, trading
-  bandwidth for not synchronizing with the host.
-- Keys whose two buckets are both full go to a small sorted *stash* (~0.1% of keys at full load
-  with ``B = 8``), searched with ``searchsorted``. Only a full stash (``capacity / 256`` keys)
-  doubles ``nb`` and rebuilds; each doubling adds a hash bit, and full hashes of distinct keys
-  differ, so growth ends.
-- Empty entries of bucket ``b`` hold a *filler* key whose two buckets are both ``b ^ 1``; a key
-  probing ``b`` therefore never equals it, so a key match is always a live entry and ``find``
-  compares keys only, then reads one slot per key.
+- Inserts place keys in up to four passes: ``h1`` while it holds fewer than 7 keys, then ``h2``
+  likewise, then ``h1`` and ``h2`` up to all 8. Filling ``h1`` to the brim first (as before)
+  stashed up to ~0.3% of keys under churn at this load (a simulation of random erases and
+  inserts; ~0.6% at 60% load), near the stash's 0.4%, past which the table doubles; keeping the
+  last entry of each bucket for keys whose other bucket is crowded brings it to ~0.01%, and ~90%
+  of keys still sit in ``h1``. ``find`` on CPU
+  reads one 64-byte bucket of keys per key and a second one only for the keys it did not find
+  there (misses, mostly). On CUDA it reads both in one gather instead, trading bandwidth for not
+  synchronizing with the host.
+- Keys whose candidate buckets are both full go to a small sorted *stash*, searched with
+  ``searchsorted``. Only a full stash (``capacity / 256`` keys) doubles ``nb`` and rebuilds;
+  each doubling splits every bucket by one more bit of each hash half, so colliding keys part.
+- Empty entries of bucket ``b`` hold a *filler* key whose two buckets are both 0 (for
+  ``b != 0``), or both 1 (for ``b = 0``); a key probing ``b`` therefore never equals it, so a key
+  match is always a live entry and ``find`` compares keys only, then reads one slot per key.
+  (Two keys for the whole table, not one stored per bucket.)
 - Keys of one insert batch that target the same bucket are sorted by bucket; the key of rank
   ``r`` in its bucket takes the bucket's ``r``-th free entry.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
 
-from .._bits import mix64, next_pow2, unmix64
+from .._bits import mix64, unmix64
 from .base import KeyIndex
 
 # Byte k of this is 7 - k, so for a word with only byte i set (the value 1 << 8i), the top byte of
 # word * _BYTE_INDEX is i: the index of the set byte without a loop or a reduction.
 _BYTE_INDEX = 0x0001020304050607
 _BIG_ENDIAN = sys.byteorder == "big"  # bool -> bytes views put column 0 in the top byte there
+_LOW32 = 0xFFFFFFFF
+# Keys per entry at capacity: the table has ceil(capacity / (B * LOAD)) buckets.
+LOAD = 0.55
+# Inserts put a key in a bucket holding fewer than this many keys before they fill any bucket
+# to the brim (see the module docstring); with B = 8 the last entry waits for crowded keys.
+_SPARE = 1
 
 
 class TorchIndex(KeyIndex):
@@ -50,50 +65,55 @@ class TorchIndex(KeyIndex):
         if bucket_width < 8 or bucket_width % 8:
             raise ValueError(f"bucket_width must be a positive multiple of 8, got {bucket_width}")
         self.bucket_width = int(bucket_width)
+        if self.capacity >= 1 << 31:
+            raise ValueError(f"TorchIndex holds fewer than 2**31 keys (slots are int32), got capacity {capacity}")
         # First column of each 8-column word of a match row of up to two buckets.
         self._word_base = torch.arange(0, 2 * bucket_width, 8, dtype=torch.int64, device=self.device)
-        # Keys whose two buckets are both full wait here (a few per million at 50% load) rather
-        # than doubling the table; only a full stash forces growth.
+        # Keys whose two buckets are both full wait here (about one in 10,000 under churn at full
+        # load) rather than doubling the table; only a full stash forces growth.
         self.stash_capacity = max(64, self.capacity // 256)
-        # <= 50% load at capacity; >= 2 buckets so that every bucket has a filler key (below).
-        nb = max(2, next_pow2(-(-2 * self.capacity // self.bucket_width)))
-        # The tiers count 64 bytes of index per row (tier.py). Where rounding up to a power of two
-        # would pass that (up to ~68.5 bytes), take half the buckets: a load of 50-55%, where
-        # two-choice buckets of 8 still stash about one key in a thousand.
-        if nb > 2 and self._bytes(nb) > 64 * self.capacity and self.capacity <= 0.55 * (nb // 2) * self.bucket_width:
-            nb //= 2
-        self._nb0 = nb
+        # At most LOAD at capacity; >= 2 buckets so that every bucket has a filler key (below).
+        self._nb0 = max(2, math.ceil(self.capacity / (self.bucket_width * LOAD)))
         self._alloc(self._nb0)
 
     def _bytes(self, nb: int) -> int:
-        """Bytes of the table at ``nb`` buckets with a full stash: keys and slots (16 per entry),
-        a filler key (8) and a stash mark (1) per bucket, 16 per stash entry."""
-        return nb * (16 * self.bucket_width + 9) + 16 * self.stash_capacity + 8 * self._word_base.numel() + 16
+        """Bytes of the table at ``nb`` buckets with a full stash: keys and slots (12 per entry)
+        and a stash mark (1) per bucket, 12 per stash entry, the spare entry."""
+        return nb * (12 * self.bucket_width + 1) + 12 * self.stash_capacity + 8 * self._word_base.numel() + 12
 
     @property
     def nbytes(self) -> int:
         """Bytes the index holds now, its stash counted full (it grows only past a full stash)."""
         return self._bytes(self._nb)
 
+    def _filler(self, b: torch.Tensor) -> torch.Tensor:
+        """The filler keys of buckets ``b``: the key whose two buckets are both 1 for bucket 0, the
+        key whose two buckets are both 0 for the others. Empty entries of bucket b hold it, so a
+        key probing b (its h1 or h2 is b) cannot equal it: a key match is always a live entry, and
+        find compares keys only, then reads one slot per key."""
+        return torch.where(b == 0, self._fill1, self._fill0)
+
     def _alloc(self, nb: int) -> None:
+        if nb >= 1 << 31:  # (x * nb) >> 32 must not overflow int64
+            raise RuntimeError(f"TorchIndex cannot grow past 2**31 buckets (capacity {self.capacity})")
         self._nb = nb
-        b = torch.arange(nb, dtype=torch.int64, device=self.device)
-        # The filler of bucket b: a key whose two buckets are both b ^ 1, never b. Empty entries
-        # of bucket b hold it, so a key probing b (its h1 or h2 is b) cannot equal it: a key match
-        # is always a live entry, and find compares keys only, then reads one slot per key.
-        self._filler = unmix64((b ^ 1) | ((b ^ 1) << 32))
+        # The least 32-bit x with (x * nb) >> 32 == c, as both halves of a hash, is a key whose
+        # two buckets are both c (0 and 1 here; computed on the host, no device work).
+        both = [(x << 32 | x) - ((x >> 31) << 64) for x in (0, -(-(1 << 32) // nb))]
+        self._fill0, self._fill1 = unmix64(torch.tensor(both, dtype=torch.int64)).tolist()
         # Flat tables of nb * B entries and one more, outside every bucket: where the GPU path's
         # masked writes put the entries it does not mean to write (a write to a position picked
         # out by a boolean mask would cost a host sync to learn how many there are).
         entries = nb * self.bucket_width
         self._dump = entries
-        self._keys_flat = torch.cat((self._filler[:, None].repeat(1, self.bucket_width).view(-1),
+        fill = self._filler(torch.arange(nb, dtype=torch.int64, device=self.device))
+        self._keys_flat = torch.cat((fill[:, None].expand(nb, self.bucket_width).reshape(-1),
                                      torch.zeros(1, dtype=torch.int64, device=self.device)))
-        self._slots_flat = torch.full((entries + 1,), -1, dtype=torch.int64, device=self.device)  # -1: empty
+        self._slots_flat = torch.full((entries + 1,), -1, dtype=torch.int32, device=self.device)  # -1: empty
         self._keys = self._keys_flat[:entries].view(nb, self.bucket_width)  # [nb, B]
         self._slots = self._slots_flat[:entries].view(nb, self.bucket_width)
         self._stash_keys = torch.empty(0, dtype=torch.int64, device=self.device)  # sorted
-        self._stash_slots = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._stash_slots = torch.empty(0, dtype=torch.int32, device=self.device)
         # First buckets of stashed keys: a key whose first bucket is unmarked is not in the
         # stash, which spares nearly every miss the stash search on CPU.
         self._stash_mark = torch.zeros(nb, dtype=torch.bool, device=self.device)
@@ -116,8 +136,10 @@ class TorchIndex(KeyIndex):
         return int(self._stash_keys.numel())
 
     def _bucket(self, h: torch.Tensor, second: bool) -> torch.Tensor:
-        # h1 takes the low bits, h2 bits 32..; the finalizer mixes both well.
-        return ((h >> 32) if second else h) & (self._nb - 1)
+        # h1 from the high 32 bits of the hash, h2 from the low 32 (the finalizer mixes both
+        # well), each mapped to [0, nb) by multiply-shift: < 2**32 * nb < 2**63, no overflow.
+        x = (h & _LOW32) if second else ((h >> 32) & _LOW32)
+        return (x * self._nb) >> 32
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Slots of ``keys``.
@@ -138,13 +160,13 @@ class TorchIndex(KeyIndex):
 
     def _find_one_pass(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         # Both buckets in one gather and no host sync (the GPU path): bandwidth is cheap there,
-        # a synchronization is not.
-        b = torch.stack((self._bucket(h, False), self._bucket(h, True)), 1)  # [n, 2]
+        # a synchronization is not. The buckets as _bucket computes them, in fewer kernels.
+        b = ((torch.stack((h >> 32, h), 1) & _LOW32) * self._nb) >> 32  # [n, 2]
         hit, pos = self._match(keys, b)
         out = torch.where(hit, self._slots.view(-1).index_select(0, pos), -1)
         if self.n_stashed:
             out = torch.where(hit, out, self._stash_find(keys))
-        return out
+        return out.to(torch.int64)
 
     def _find_two_pass(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         # The CPU path. Inserts fill h1 first, so nearly every present key is in its first
@@ -163,7 +185,7 @@ class TorchIndex(KeyIndex):
                 if maybe.numel():
                     part.index_copy_(0, maybe, self._stash_find(k.index_select(0, maybe)))
             out.index_copy_(0, rest, part)
-        return out
+        return out.to(torch.int64)
 
     def _match(self, keys: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where ``keys`` [n] sit in their candidate buckets ``b`` [n, c].
@@ -210,13 +232,13 @@ class TorchIndex(KeyIndex):
 
         Args:
             keys: int64 [n] on ``self.device``, unique and currently absent (not checked).
-            slots: int64 [n] on ``self.device``.
+            slots: int64 [n] on ``self.device``, each in ``[0, 2**31)`` (stored as int32; not checked).
 
         Raises:
             RuntimeError: if ``len(self) + n > capacity`` (nothing is changed).
         """
         keys = keys.reshape(-1)
-        slots = slots.reshape(-1).to(torch.int64)
+        slots = slots.reshape(-1).to(torch.int32)
         n = keys.numel()
         if slots.numel() != n:
             raise ValueError(f"{n} keys but {slots.numel()} slots")
@@ -240,29 +262,35 @@ class TorchIndex(KeyIndex):
             s = torch.cat((self._slots[live], self._stash_slots, s))
             self._alloc(self._nb * 2)
 
+    def _passes(self) -> tuple[tuple[bool, int], ...]:
+        """(second bucket?, most keys a bucket may hold after the pass) of each placement pass."""
+        full, spare = self.bucket_width, self.bucket_width - _SPARE
+        return (False, spare), (True, spare), (False, full), (True, full)
+
     def _place_both(self, k: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Put each key in its first bucket, else its second; returns the keys and slots left over."""
+        """Put each key in one of its two buckets (the passes of :meth:`_passes`); returns the keys
+        and slots left over."""
         h = mix64(k)
         if self.device.type == "cpu":  # each pass on the keys still left (compacted)
-            for second in (False, True):
-                left = ~self._place(k, s, self._bucket(h, second))
+            for second, most in self._passes():
+                left = ~self._place(k, s, self._bucket(h, second), most)
                 k, s, h = k[left], s[left], h[left]
                 if k.numel() == 0:
                     break
             return k, s
-        # The GPU path: both passes over every key, those already placed masked out, and one
+        # The GPU path: every pass over every key, those already placed masked out, and one
         # host sync to learn whether any is left (almost never: then they are compacted).
         left = torch.ones(k.shape, dtype=torch.bool, device=self.device)
-        for second in (False, True):
-            left &= ~self._place(k, s, self._bucket(h, second), left)
+        for second, most in self._passes():
+            left &= ~self._place(k, s, self._bucket(h, second), most, left)
         if not bool(left.any()):
             return k[:0], s[:0]
         return k[left], s[left]
 
-    def _place(self, k: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
+    def _place(self, k: torch.Tensor, s: torch.Tensor, b: torch.Tensor, most: int,
                active: torch.Tensor | None = None) -> torch.Tensor:
         """Put each key (of those ``active``, bool [m], if given) in a free entry of its bucket
-        ``b``; returns bool [m]: placed."""
+        ``b``, as long as the bucket then holds at most ``most`` keys; returns bool [m]: placed."""
         order = torch.argsort(b, stable=True)
         bs = b[order]
         m = bs.numel()
@@ -277,7 +305,7 @@ class TorchIndex(KeyIndex):
             before = act.cumsum(0) - act.to(torch.int64)  # active keys before each, in bucket order
             rank = before - torch.where(start, before, 0).cummax(0).values
         cfree = (self._slots.index_select(0, bs) < 0).cumsum(1)  # [m, B] free entries so far
-        ok_sorted = rank < cfree[:, -1]
+        ok_sorted = rank < cfree[:, -1] - (self.bucket_width - most)
         # The key of rank r takes the (r+1)-th free entry: its column is the number of columns
         # before the free count reaches r+1.
         col = (cfree <= rank[:, None]).sum(1)
@@ -312,7 +340,7 @@ class TorchIndex(KeyIndex):
             hit, pos = self._match(keys, b[:, None])
             pos, b = pos[hit], b[hit]
             self._slots.view(-1).index_fill_(0, pos, -1)
-            self._keys.view(-1).index_copy_(0, pos, self._filler.index_select(0, b))
+            self._keys.view(-1).index_copy_(0, pos, self._filler(b))
             self._len -= int(pos.numel())
             keys, h = keys[~hit], h[~hit]
             if keys.numel() == 0:
@@ -329,7 +357,7 @@ class TorchIndex(KeyIndex):
             hit &= left
             pos = torch.where(hit, pos, self._dump)
             self._slots_flat.index_fill_(0, pos, -1)
-            self._keys_flat.index_copy_(0, pos, self._filler.index_select(0, b))
+            self._keys_flat.index_copy_(0, pos, self._filler(b))
             left &= ~hit
         self._len -= int(keys.numel() - left.sum())
         if self.n_stashed:  # rare (a few keys per million): compacted, with the syncs that costs
@@ -346,7 +374,8 @@ class TorchIndex(KeyIndex):
         if self._nb != self._nb0:
             self._alloc(self._nb0)
         else:
-            self._keys.copy_(self._filler[:, None].expand_as(self._keys))
+            b = torch.arange(self._nb, dtype=torch.int64, device=self.device)
+            self._keys.copy_(self._filler(b)[:, None].expand_as(self._keys))
             self._slots.fill_(-1)
             self._set_stash(self._stash_keys[:0], self._stash_slots[:0])
         self._len = 0
