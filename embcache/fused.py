@@ -226,10 +226,24 @@ def fused_available(weights: torch.Tensor) -> bool:
 
 
 class FusedScratch:
-    """Per-tier scratch of :func:`fused_update`: a slot-to-position map and grow-only buffers."""
+    """Per-tier scratch of :func:`fused_update`: a slot-to-position map and grow-only buffers.
 
-    def __init__(self, capacity: int) -> None:
-        self.pos = np.full(max(capacity, 1), -1, dtype=np.int32)  # -1 between calls
+    Args:
+        capacity: slots of the tier.
+        pos: the map to use, int32 [capacity] and -1 everywhere (default: a new one). The kernel
+            leaves it all -1 after each call, so a tier lends the same array to other users
+            between calls (:class:`~embcache.tier.MemoryTier` shares it with its eviction marks).
+    """
+
+    def __init__(self, capacity: int, pos: np.ndarray | None = None) -> None:
+        if pos is None:
+            pos = np.full(max(capacity, 1), -1, dtype=np.int32)
+        elif pos.shape != (capacity,) or pos.dtype != np.int32:
+            raise ValueError(f"pos must be int32 [{capacity}], got {pos.dtype} {pos.shape}")
+        self.pos = pos
+        self.uslots = np.empty(0, dtype=np.int64)
+        self.gsum = np.empty((0, 0), dtype=np.float32)
+
         self.uslots = np.empty(0, dtype=np.int64)
         self.gsum = np.empty((0, 0), dtype=np.float32)
 

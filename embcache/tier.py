@@ -13,22 +13,33 @@ from typing import Protocol
 
 import torch
 
+from .errors import ConfigError
 from .fused import FusedScratch
 from .hostmem import host_zeros
 from .index import make_index
 from .types import Tier
 
-__all__ = ["MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory", "resident_row_bytes", "to_device", "to_host"]
+__all__ = ["MAX_TIER_ROWS", "MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory", "resident_row_bytes",
+           "to_device", "to_host"]
 
 # Per-row bookkeeping besides weights and state: freq (8), last (8), key (8), occupied and
-# dirty (1 + 1), pins (4), the free-slot stack (8), the fused update's slot map (4) and the
-# eviction sample's marks (4).
-_BOOKKEEPING_BYTES = 46
+# dirty (1 + 1), pins (4), the free-slot stack (int32, 4) and one int32 scratch (4) that the fused
+# update's slot map and the eviction sample's marks share.
+_BOOKKEEPING_BYTES = 38
 # The key index: 16 bytes (key, slot) per entry, next_pow2(2 x rows) entries, i.e. 32 to 64
 # bytes per row; counted at its upper bound so that a tier never outgrows its byte budget.
 # TorchIndex (the CUDA index) sizes its buckets to stay within it too (TorchIndex.nbytes), until
 # a full stash makes it grow (adversarial keys; not seen at its load).
 _INDEX_BYTES = 64
+
+
+# Slots are int32 in the free-slot stack (and the scratch marks): a tier holds at most 2**31 - 1 rows.
+MAX_TIER_ROWS = 2**31 - 1
+
+
+def _free_stack(capacity: int, device: torch.device) -> torch.Tensor:
+    """Every slot free, as a stack (int32): popping from the end hands out low slots first."""
+    return torch.arange(capacity - 1, -1, -1, dtype=torch.int32, device=device)
 
 
 def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
@@ -142,6 +153,9 @@ class MemoryTier:
 
     def __init__(self, tier: Tier, capacity: int, dim: int, state_width: int, dtype: torch.dtype,
                  device: torch.device, pinned_reads: bool = False) -> None:
+        if capacity > MAX_TIER_ROWS:
+            raise ConfigError(f"{tier.value} tier: {capacity} rows exceed the {MAX_TIER_ROWS} a tier can hold "
+                              "(slots are int32); give the table less memory or split it")
         self.tier = tier
         self.dim = dim
         self.device = device
@@ -174,11 +188,13 @@ class MemoryTier:
         self.occupied = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.pins = torch.zeros(capacity, dtype=torch.int32, device=device)  # holders keeping a row resident
-        self._mark = torch.zeros(capacity, dtype=torch.int32, device=device)  # scratch of lowest()
+        # One int32 scratch per slot, -1 between calls, shared by the two users that need one: the
+        # fused update's slot-to-position map (CPU) and lowest()'s marks. Both run under the table's
+        # lock, each within one call that leaves it all -1 again, so their uses never overlap.
+        self._scratch = torch.full((capacity,), -1, dtype=torch.int32, device=device)
         self.index = make_index(max(capacity, 1), device)
         self._fused_scratch: FusedScratch | None = None
-        # Free slots as a stack; popping from the end hands out low slots first.
-        self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
+        self._free = _free_stack(capacity, device)
         self._n_free = capacity
 
     def release(self) -> None:
@@ -190,7 +206,7 @@ class MemoryTier:
     def arrays(self) -> tuple[torch.Tensor, ...]:
         """Every per-row array the tier allocated (the key index apart)."""
         return (self.weights, self.state, self.freq, self.last, self.keys, self.occupied, self.dirty, self.pins,
-                self._mark, self._free)
+                self._scratch, self._free)
 
     # -- sizes ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -232,7 +248,7 @@ class MemoryTier:
     def fused_scratch(self) -> FusedScratch:
         """Scratch buffers of the fused update kernel for this tier (made on first use)."""
         if self._fused_scratch is None:
-            self._fused_scratch = FusedScratch(self.capacity)
+            self._fused_scratch = FusedScratch(self.capacity, self._scratch.numpy())
         return self._fused_scratch
 
     def touch(self, slots: torch.Tensor, amounts: torch.Tensor, now: int) -> None:
@@ -280,7 +296,7 @@ class MemoryTier:
             raise RuntimeError(f"{self.tier.value} tier: {n} rows do not fit in {self._n_free} free slots")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        slots = self._free[self._n_free - n:self._n_free].clone()
+        slots = self._free[self._n_free - n:self._n_free].to(torch.int64)
         self._n_free -= n
         rows = rows.to(self.device)
         for column, values in zip(self._columns(), rows._fields(), strict=True):
@@ -331,7 +347,7 @@ class MemoryTier:
         self.occupied.zero_()
         self.dirty.zero_()
         self.pins.zero_()
-        self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self._free = _free_stack(self.capacity, self.device)
         self._n_free = self.capacity
 
     # -- eviction ------------------------------------------------------------------------------
@@ -365,10 +381,12 @@ class MemoryTier:
             # (torch.unique and torch.isin sort: several times slower on a batch this small).
             # index_select / index_copy_ / masked_select: 3-5x faster on CPU than advanced indexing.
             idx = torch.arange(n_cand, dtype=torch.int32, device=self.device)
-            self._mark.index_copy_(0, cand, idx)
+            mark = self._scratch
+            mark.index_copy_(0, cand, idx)
             if exclude is not None:
-                self._mark.index_fill_(0, exclude, -1)
-            ok = self._mark.index_select(0, cand) == idx
+                mark.index_fill_(0, exclude, -1)
+            ok = mark.index_select(0, cand) == idx
+            mark.index_fill_(0, cand, -1)  # all -1 again (excluded slots already are)
             ok &= self.occupied.index_select(0, cand)
             ok &= self.pins.index_select(0, cand) == 0
             cand = torch.masked_select(cand, ok)
