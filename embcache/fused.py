@@ -11,7 +11,7 @@ passes over the batch with no temporaries:
    unique rows) and sum duplicate gradients in batch order, which is the order and the rounding
    of ``index_add_`` into zeros;
 2. for each unique row, apply the optimizer in place on the tier's weights and state and mark
-   the row dirty.
+   the row dirty (a bit ORed into the tier's per-row flags).
 
 The arithmetic mirrors :mod:`embcache.optim` operation for operation, with explicit fused
 multiply-adds exactly where torch's vectorized CPU kernels use them (``add(x, alpha=a)``). SGD
@@ -114,8 +114,8 @@ _prefetch: Any = _prefetch_py
 _sum_squares: Any = _sum_squares_py
 
 
-def _kernel_py(opt: int, weights: Any, state: Any, dirty: Any, slots: Any, grads: Any, pos: Any,  # pragma: no cover
-               uslots: Any, gsum: Any, lr: float, eps: float, beta1: float, beta2: float, wd: float) -> int:
+def _kernel_py(opt: int, weights: Any, state: Any, flags: Any, dirty: Any, slots: Any, grads: Any,  # pragma: no cover
+               pos: Any, uslots: Any, gsum: Any, lr: float, eps: float, beta1: float, beta2: float, wd: float) -> int:
     """The fused update (see the module docstring); returns the number of unique rows."""
     n, d = grads.shape
     lr32, eps32, wd32 = _F32(lr), _F32(eps), _F32(wd)
@@ -145,7 +145,7 @@ def _kernel_py(opt: int, weights: Any, state: Any, dirty: Any, slots: Any, grads
                 _prefetch(state, q, k)
         s = uslots[p]
         pos[s] = -1
-        dirty[s] = True
+        flags[s] |= dirty
         w = weights[s]
         st = state[s]
         g = gsum[p]
@@ -244,9 +244,6 @@ class FusedScratch:
         self.uslots = np.empty(0, dtype=np.int64)
         self.gsum = np.empty((0, 0), dtype=np.float32)
 
-        self.uslots = np.empty(0, dtype=np.int64)
-        self.gsum = np.empty((0, 0), dtype=np.float32)
-
     def buffers(self, n: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
         """``uslots`` int64 [>= n] and ``gsum`` float32 [>= n, dim] (reused across calls)."""
         if self.uslots.shape[0] < n:
@@ -257,7 +254,8 @@ class FusedScratch:
 
 
 def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor, state: torch.Tensor,
-                 dirty: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor, scratch: FusedScratch) -> int:
+                 flags: torch.Tensor, dirty: int, slots: torch.Tensor, grads: torch.Tensor,
+                 scratch: FusedScratch) -> int:
     """Apply one optimizer step in place to the rows at ``slots``; returns the number of unique rows.
 
     Args:
@@ -265,9 +263,10 @@ def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor,
         params: the hyper-parameters.
         weights: the tier's float32 [capacity, dim] rows (CPU, contiguous), changed in place.
         state: the tier's float32 [capacity, S] optimizer state, changed in place.
-        dirty: the tier's bool [capacity] dirty bits; updated rows are set.
+        flags: the tier's int32 [capacity] per-row flags; ``dirty`` is ORed into those of updated rows.
         slots: int64 [n] slot of each key of the batch (duplicates allowed, all valid).
         grads: float32 [n, dim] gradient of each key (CPU).
+        dirty: the bit that marks a row dirty in ``flags``.
         scratch: the tier's :class:`FusedScratch`.
 
     Raises:
@@ -278,7 +277,9 @@ def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor,
         raise RuntimeError("the fused update kernel needs numba and CPU float32 rows")
     n, dim = grads.shape
     uslots, gsum = scratch.buffers(n, dim)
-    return int(kernel(OPTIMIZERS.index(optimizer), weights.numpy(), state.numpy(), dirty.numpy(),
+    if flags.dtype != torch.int32:
+        raise RuntimeError(f"the fused update kernel needs int32 flags, got {flags.dtype}")
+    return int(kernel(OPTIMIZERS.index(optimizer), weights.numpy(), state.numpy(), flags.numpy(), np.int32(dirty),
                       slots.contiguous().numpy(), grads.contiguous().numpy(), scratch.pos, uslots, gsum,
                       params.lr, params.eps, params.beta1, params.beta2, params.weight_decay))
 

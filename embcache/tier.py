@@ -19,19 +19,29 @@ from .hostmem import host_zeros
 from .index import make_index
 from .types import Tier
 
-__all__ = ["MAX_TIER_ROWS", "MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory", "resident_row_bytes",
-           "to_device", "to_host"]
+__all__ = ["DIRTY", "MAX_TIER_ROWS", "OCCUPIED", "PIN", "MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory",
+           "resident_row_bytes", "to_device", "to_host"]
 
-# Per-row bookkeeping besides weights and state: freq (8), last (8), key (8), occupied and
-# dirty (1 + 1), pins (4), the free-slot stack (int32, 4) and one int32 scratch (4) that the fused
-# update's slot map and the eviction sample's marks share.
-_BOOKKEEPING_BYTES = 38
+# Per-row bookkeeping besides weights and state, every array MemoryTier.arrays() lists: freq
+# (float64, 8), last (int64, 8), key (int64, 8), flags (int32, 4: occupied, dirty and the pin
+# count packed), the free-slot stack (int32, 4) and one int32 scratch (4) that the fused update's
+# slot map and the eviction sample's marks share. freq and last keep their widths: the key
+# index's compiled kernels update them in place as float64 and int64 (embcache/index/), and the
+# clock (ticks = key occurrences looked up) is never rebased, so it outgrows int32 within minutes.
+_BOOKKEEPING_BYTES = 36
 # The key index: 16 bytes (key, slot) per entry, next_pow2(2 x rows) entries, i.e. 32 to 64
 # bytes per row; counted at its upper bound so that a tier never outgrows its byte budget.
 # TorchIndex (the CUDA index) sizes its buckets to stay within it too (TorchIndex.nbytes), until
 # a full stash makes it grow (adversarial keys; not seen at its load).
 _INDEX_BYTES = 64
 
+
+# The bits of MemoryTier.flags: a row is there, it differs from its stored copy, and its pin count
+# in steps of PIN (up to 2**29 - 1 holders).
+OCCUPIED = 1
+DIRTY = 2
+_PIN_SHIFT = 2
+PIN = 1 << _PIN_SHIFT
 
 # Slots are int32 in the free-slot stack (and the scratch marks): a tier holds at most 2**31 - 1 rows.
 MAX_TIER_ROWS = 2**31 - 1
@@ -185,9 +195,9 @@ class MemoryTier:
         self.freq = zeros((capacity,), torch.float64)
         self.last = zeros((capacity,), torch.int64)
         self.keys = zeros((capacity,), torch.int64)
-        self.occupied = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.pins = torch.zeros(capacity, dtype=torch.int32, device=device)  # holders keeping a row resident
+        # occupied (bit 0), dirty (bit 1) and pins (the rest: holders keeping a row resident, in
+        # steps of PIN) in one int32 per slot; read and change them through the methods below.
+        self.flags = torch.zeros(capacity, dtype=torch.int32, device=device)
         # One int32 scratch per slot, -1 between calls, shared by the two users that need one: the
         # fused update's slot-to-position map (CPU) and lowest()'s marks. Both run under the table's
         # lock, each within one call that leaves it all -1 again, so their uses never overlap.
@@ -205,8 +215,7 @@ class MemoryTier:
 
     def arrays(self) -> tuple[torch.Tensor, ...]:
         """Every per-row array the tier allocated (the key index apart)."""
-        return (self.weights, self.state, self.freq, self.last, self.keys, self.occupied, self.dirty, self.pins,
-                self._scratch, self._free)
+        return (self.weights, self.state, self.freq, self.last, self.keys, self.flags, self._scratch, self._free)
 
     # -- sizes ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -260,22 +269,60 @@ class MemoryTier:
         """Copies of the rows at ``slots`` (no change to the tier); ``pinned=False`` keeps a CUDA
         cache's DDR reads out of pinned memory (rows that stay on the host)."""
         slots = to_device(slots, self.device)
+        n = slots.numel()
+        flags = self.flags.index_select(0, slots)
         if self.pinned_reads and pinned:  # gathered straight into pinned memory: the copy to the GPU needs no staging
-            return RowBatch(*(torch.index_select(t, 0, slots, out=torch.empty(
-                (slots.numel(), *t.shape[1:]), dtype=t.dtype, pin_memory=True)) for t in self._columns()))
-        return RowBatch(*(t.index_select(0, slots) for t in self._columns()))
+            def out(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            cols = [torch.index_select(t, 0, slots, out=out((n, *t.shape[1:]), t.dtype)) for t in self._columns()]
+            dirty = torch.ne(flags & DIRTY, 0, out=out((n,), torch.bool))
+            pins = torch.bitwise_right_shift(flags, _PIN_SHIFT, out=out((n,), torch.int32))
+        else:
+            cols = [t.index_select(0, slots) for t in self._columns()]
+            dirty, pins = (flags & DIRTY) != 0, flags >> _PIN_SHIFT
+        keys, weights, state, freq, last = cols
+        return RowBatch(keys, weights, state, freq, last, dirty, pins)
 
     def _columns(self) -> tuple[torch.Tensor, ...]:
-        # The per-row tensors in RowBatch's field order.
-        return (self.keys, self.weights, self.state, self.freq, self.last, self.dirty, self.pins)
+        # The per-row tensors of RowBatch's first fields (its dirty and pins are in ``flags``).
+        return (self.keys, self.weights, self.state, self.freq, self.last)
+
+    # -- flags: occupied, dirty, pins ------------------------------------------------------------
+    def occupied_mask(self) -> torch.Tensor:
+        """Bool [capacity]: which slots hold rows."""
+        return (self.flags & OCCUPIED) != 0
+
+    def evictable_mask(self) -> torch.Tensor:
+        """Bool [capacity]: which slots hold rows that no one pins."""
+        return (self.flags & ~DIRTY) == OCCUPIED
 
     def dirty_slots(self) -> torch.Tensor:
         """Slots of resident rows that differ from their stored copy."""
-        return torch.nonzero(self.dirty & self.occupied).flatten()
+        return torch.nonzero((self.flags & (OCCUPIED | DIRTY)) == (OCCUPIED | DIRTY)).flatten()
 
     def occupied_slots(self) -> torch.Tensor:
         """Slots holding rows."""
-        return torch.nonzero(self.occupied).flatten()
+        return torch.nonzero(self.occupied_mask()).flatten()
+
+    def dirty_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bool [n]: the dirty bits of ``slots`` (int64 [n])."""
+        return (self.flags.index_select(0, to_device(slots, self.device)) & DIRTY) != 0
+
+    def pins_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """Int32 [n]: the pin counts of ``slots`` (int64 [n])."""
+        return self.flags.index_select(0, to_device(slots, self.device)) >> _PIN_SHIFT
+
+    def set_dirty(self, slots: torch.Tensor, dirty: bool | torch.Tensor) -> None:
+        """Set the dirty bits of ``slots`` (int64 [n]) to ``dirty`` (a bool or bool [n])."""
+        if slots.numel() == 0:
+            return
+        slots = to_device(slots, self.device)
+        f = self.flags.index_select(0, slots) & ~DIRTY
+        if isinstance(dirty, torch.Tensor):
+            f |= dirty.to(device=f.device, dtype=torch.int32) * DIRTY
+        elif dirty:
+            f |= DIRTY
+        self.flags.index_copy_(0, slots, f)
 
     # -- change --------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
@@ -283,7 +330,7 @@ class MemoryTier:
         slots = to_device(slots, self.device)
         self.weights[slots] = to_device(weights.to(self.weights.dtype), self.device)
         self.state[slots] = to_device(state, self.device)
-        self.dirty[slots] = True
+        self.set_dirty(slots, True)
 
     def insert(self, rows: RowBatch) -> torch.Tensor:
         """Place ``rows`` (keys unique and absent) in free slots; returns their slots.
@@ -299,9 +346,10 @@ class MemoryTier:
         slots = self._free[self._n_free - n:self._n_free].to(torch.int64)
         self._n_free -= n
         rows = rows.to(self.device)
-        for column, values in zip(self._columns(), rows._fields(), strict=True):
+        for column, values in zip(self._columns(), rows._fields()[:5], strict=True):
             column.index_copy_(0, slots, values.to(column.dtype))
-        self.occupied.index_fill_(0, slots, True)
+        flags = (rows.pins.to(torch.int32) << _PIN_SHIFT) | (rows.dirty.to(torch.int32) * DIRTY) | OCCUPIED
+        self.flags.index_copy_(0, slots, flags)
         self.index.insert(rows.keys, slots)
         return slots
 
@@ -311,9 +359,7 @@ class MemoryTier:
             return
         slots = to_device(slots, self.device)
         self.index.erase(self.keys.index_select(0, slots))
-        self.occupied.index_fill_(0, slots, False)
-        self.dirty.index_fill_(0, slots, False)
-        self.pins.index_fill_(0, slots, 0)
+        self.flags.index_fill_(0, slots, 0)
         n = slots.numel()
         self._free[self._n_free:self._n_free + n] = slots
         self._n_free += n
@@ -326,16 +372,19 @@ class MemoryTier:
             return
         slots = to_device(slots, self.device)
         if where is None:
-            amounts = torch.full(slots.shape, delta, dtype=torch.int32, device=self.device)
+            amounts = torch.full(slots.shape, delta * PIN, dtype=torch.int32, device=self.device)
         else:
-            amounts = where.to(torch.int32) * delta
+            amounts = where.to(torch.int32) * (delta * PIN)
             slots = slots.clamp(min=0)  # masked-out slots add 0 to slot 0
-        self.pins.index_add_(0, slots, amounts)
-        self.pins[slots] = self.pins[slots].clamp_(min=0)
+        self.flags.index_add_(0, slots, amounts)
+        # A count below 0 goes back to 0: its flag bits are intact (steps of PIN leave them), and
+        # then f & (PIN - 1) > f.
+        f = self.flags.index_select(0, slots)
+        self.flags.index_copy_(0, slots, torch.maximum(f, f & (PIN - 1)))
 
     def pinned_count(self) -> int:
         """Resident rows held by at least one pin."""
-        return int((self.occupied & (self.pins > 0)).sum())
+        return int(((self.flags >= PIN) & ((self.flags & OCCUPIED) != 0)).sum())
 
     def scale_freq(self, factor: float) -> None:
         """Multiply every frequency by ``factor`` (clock renormalization)."""
@@ -344,9 +393,7 @@ class MemoryTier:
     def clear(self) -> None:
         """Drop every row (the caller has written dirty ones back)."""
         self.index.clear()
-        self.occupied.zero_()
-        self.dirty.zero_()
-        self.pins.zero_()
+        self.flags.zero_()
         self._free = _free_stack(self.capacity, self.device)
         self._n_free = self.capacity
 
@@ -387,11 +434,10 @@ class MemoryTier:
                 mark.index_fill_(0, exclude, -1)
             ok = mark.index_select(0, cand) == idx
             mark.index_fill_(0, cand, -1)  # all -1 again (excluded slots already are)
-            ok &= self.occupied.index_select(0, cand)
-            ok &= self.pins.index_select(0, cand) == 0
+            ok &= (self.flags.index_select(0, cand) & ~DIRTY) == OCCUPIED  # occupied, no pins
             cand = torch.masked_select(cand, ok)
         if cand is None or cand.numel() < k:  # small tier, or a mostly pinned one the sample missed
-            evictable = self.occupied & (self.pins == 0)
+            evictable = self.evictable_mask()
             if exclude is not None:
                 evictable.index_fill_(0, exclude, False)
             cand = torch.nonzero(evictable).flatten()
