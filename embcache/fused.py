@@ -7,9 +7,9 @@ scatters back: profiled at batch 65,536 and dim 64 (row-wise AdaGrad, one thread
 which the scatter-add alone was 5 ms. :func:`fused_update` does the same work in two serial
 passes over the batch with no temporaries:
 
-1. deduplicate by slot (a per-tier scratch array maps a slot to its position among the batch's
-   unique rows) and sum duplicate gradients in batch order, which is the order and the rounding
-   of ``index_add_`` into zeros;
+1. deduplicate by slot (a batch-sized hash table, :class:`~embcache.slot_table.SlotTable`, maps a
+   slot to its position among the batch's unique rows) and sum duplicate gradients in batch
+   order, which is the order and the rounding of ``index_add_`` into zeros;
 2. for each unique row, apply the optimizer in place on the tier's weights and state and mark
    the row dirty (a bit ORed into the tier's per-row flags).
 
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .optim import OPTIMIZERS, OptimizerParams
+from .slot_table import GOLDEN, SlotTable
 
 __all__ = ["fused_available", "fused_update", "segment_sum"]
 
@@ -115,24 +116,33 @@ _sum_squares: Any = _sum_squares_py
 
 
 def _kernel_py(opt: int, weights: Any, state: Any, flags: Any, dirty: Any, slots: Any, grads: Any,  # pragma: no cover
-               pos: Any, uslots: Any, gsum: Any, lr: float, eps: float, beta1: float, beta2: float, wd: float) -> int:
+               table: Any, shift: Any, uslots: Any, gsum: Any, lr: float, eps: float, beta1: float,
+               beta2: float, wd: float) -> int:
     """The fused update (see the module docstring); returns the number of unique rows."""
     n, d = grads.shape
     lr32, eps32, wd32 = _F32(lr), _F32(eps), _F32(wd)
     neg_lr32 = _F32(-lr)
     one_b1, one_b2, beta1_32 = _F32(1.0 - beta1), _F32(1.0 - beta2), _F32(beta1)
+    mask = table.shape[0] - 1
+    for h in range(mask + 1):
+        table[h] = -1
     u = 0
     for i in range(n):  # 1. unique rows and summed gradients, in batch order
         s = slots[i]
-        p = pos[s]
-        if p < 0:
+        h = np.int64((np.uint64(s) * GOLDEN) >> shift)
+        e = table[h]
+        while e >= 0 and (e >> 32) != s:
+            h = (h + 1) & mask
+            e = table[h]
+        if e < 0:
             p = u
-            pos[s] = p
+            table[h] = (s << 32) | p
             uslots[p] = s
             u += 1
             for j in range(d):
                 gsum[p, j] = _F32(0.0) + grads[i, j]
         else:
+            p = e & 0xFFFFFFFF
             for j in range(d):
                 gsum[p, j] += grads[i, j]
     width = state.shape[1]
@@ -143,9 +153,9 @@ def _kernel_py(opt: int, weights: Any, state: Any, flags: Any, dirty: Any, slots
                 _prefetch(weights, q, k)
             for k in range(0, width, _LINE):
                 _prefetch(state, q, k)
+            _prefetch(flags, q, 0)
         s = uslots[p]
-        pos[s] = -1
-        flags[s] |= dirty
+        flags[s, 0] |= dirty
         w = weights[s]
         st = state[s]
         g = gsum[p]
@@ -226,21 +236,11 @@ def fused_available(weights: torch.Tensor) -> bool:
 
 
 class FusedScratch:
-    """Per-tier scratch of :func:`fused_update`: a slot-to-position map and grow-only buffers.
+    """Per-tier scratch of :func:`fused_update`, all sized by the batch and reused across calls:
+    the slot table that deduplicates, the unique slots and their summed gradients."""
 
-    Args:
-        capacity: slots of the tier.
-        pos: the map to use, int32 [capacity] and -1 everywhere (default: a new one). The kernel
-            leaves it all -1 after each call, so a tier lends the same array to other users
-            between calls (:class:`~embcache.tier.MemoryTier` shares it with its eviction marks).
-    """
-
-    def __init__(self, capacity: int, pos: np.ndarray | None = None) -> None:
-        if pos is None:
-            pos = np.full(max(capacity, 1), -1, dtype=np.int32)
-        elif pos.shape != (capacity,) or pos.dtype != np.int32:
-            raise ValueError(f"pos must be int32 [{capacity}], got {pos.dtype} {pos.shape}")
-        self.pos = pos
+    def __init__(self, table: SlotTable | None = None) -> None:
+        self.table = table or SlotTable()  # a tier lends the one its eviction sample uses too
         self.uslots = np.empty(0, dtype=np.int64)
         self.gsum = np.empty((0, 0), dtype=np.float32)
 
@@ -279,8 +279,10 @@ def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor,
     uslots, gsum = scratch.buffers(n, dim)
     if flags.dtype != torch.int32:
         raise RuntimeError(f"the fused update kernel needs int32 flags, got {flags.dtype}")
-    return int(kernel(OPTIMIZERS.index(optimizer), weights.numpy(), state.numpy(), flags.numpy(), np.int32(dirty),
-                      slots.contiguous().numpy(), grads.contiguous().numpy(), scratch.pos, uslots, gsum,
+    table, shift = scratch.table.arrays(n)
+    flags2 = flags.numpy().reshape(-1, 1)  # 2-D for the prefetch intrinsic
+    return int(kernel(OPTIMIZERS.index(optimizer), weights.numpy(), state.numpy(), flags2, np.int32(dirty),
+                      slots.contiguous().numpy(), grads.contiguous().numpy(), table, shift, uslots, gsum,
                       params.lr, params.eps, params.beta1, params.beta2, params.weight_decay))
 
 

@@ -17,6 +17,8 @@ from .errors import ConfigError
 from .fused import FusedScratch
 from .hostmem import host_zeros
 from .index import make_index
+from .sample_filter import distinct_evictable
+from .slot_table import SlotTable
 from .types import Tier
 
 __all__ = ["DIRTY", "MAX_TIER_ROWS", "OCCUPIED", "PIN", "MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory",
@@ -24,11 +26,12 @@ __all__ = ["DIRTY", "MAX_TIER_ROWS", "OCCUPIED", "PIN", "MemoryTier", "RowBatch"
 
 # Per-row bookkeeping besides weights and state, every array MemoryTier.arrays() lists: freq
 # (float64, 8), last (int64, 8), key (int64, 8), flags (int32, 4: occupied, dirty and the pin
-# count packed), the free-slot stack (int32, 4) and one int32 scratch (4) that the fused update's
-# slot map and the eviction sample's marks share. freq and last keep their widths: the key
-# index's compiled kernels update them in place as float64 and int64 (embcache/index/), and the
-# clock (ticks = key occurrences looked up) is never rebased, so it outgrows int32 within minutes.
-_BOOKKEEPING_BYTES = 36
+# count packed) and the free-slot stack (int32, 4). The scratch of the fused update and of the
+# eviction sample is sized by the batch (embcache/slot_table.py), not per row. freq and last keep
+# their widths: the key index's compiled kernels update them in place as float64 and int64
+# (embcache/index/), and the clock (ticks = key occurrences looked up) is never rebased, so it
+# outgrows int32 within minutes.
+_BOOKKEEPING_BYTES = 32
 # The key index: 16 bytes (key, slot) per entry, next_pow2(2 x rows) entries, i.e. 32 to 64
 # bytes per row; counted at its upper bound so that a tier never outgrows its byte budget.
 # TorchIndex (the CUDA index) sizes its buckets to stay within it too (TorchIndex.nbytes), until
@@ -43,7 +46,7 @@ DIRTY = 2
 _PIN_SHIFT = 2
 PIN = 1 << _PIN_SHIFT
 
-# Slots are int32 in the free-slot stack (and the scratch marks): a tier holds at most 2**31 - 1 rows.
+# Slots are int32 in the free-slot stack: a tier holds at most 2**31 - 1 rows.
 MAX_TIER_ROWS = 2**31 - 1
 
 
@@ -198,11 +201,10 @@ class MemoryTier:
         # occupied (bit 0), dirty (bit 1) and pins (the rest: holders keeping a row resident, in
         # steps of PIN) in one int32 per slot; read and change them through the methods below.
         self.flags = torch.zeros(capacity, dtype=torch.int32, device=device)
-        # One int32 scratch per slot, -1 between calls, shared by the two users that need one: the
-        # fused update's slot-to-position map (CPU) and lowest()'s marks. Both run under the table's
-        # lock, each within one call that leaves it all -1 again, so their uses never overlap.
-        self._scratch = torch.full((capacity,), -1, dtype=torch.int32, device=device)
         self.index = make_index(max(capacity, 1), device)
+        # Batch-sized scratch of the compiled CPU kernels (the fused update, the eviction sample's
+        # filter), nothing per row; they run under the table's lock, one call at a time.
+        self._table = SlotTable()
         self._fused_scratch: FusedScratch | None = None
         self._free = _free_stack(capacity, device)
         self._n_free = capacity
@@ -215,7 +217,7 @@ class MemoryTier:
 
     def arrays(self) -> tuple[torch.Tensor, ...]:
         """Every per-row array the tier allocated (the key index apart)."""
-        return (self.weights, self.state, self.freq, self.last, self.keys, self.flags, self._scratch, self._free)
+        return (self.weights, self.state, self.freq, self.last, self.keys, self.flags, self._free)
 
     # -- sizes ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -257,7 +259,7 @@ class MemoryTier:
     def fused_scratch(self) -> FusedScratch:
         """Scratch buffers of the fused update kernel for this tier (made on first use)."""
         if self._fused_scratch is None:
-            self._fused_scratch = FusedScratch(self.capacity, self._scratch.numpy())
+            self._fused_scratch = FusedScratch(self._table)
         return self._fused_scratch
 
     def touch(self, slots: torch.Tensor, amounts: torch.Tensor, now: int) -> None:
@@ -424,18 +426,8 @@ class MemoryTier:
         cand = None
         if n_cand * 2 < self.capacity:
             cand = torch.randint(0, self.capacity, (n_cand,), device=self.device, generator=generator)
-            # One occurrence per sampled slot, excluded slots dropped, by marks in a scratch array
-            # (torch.unique and torch.isin sort: several times slower on a batch this small).
-            # index_select / index_copy_ / masked_select: 3-5x faster on CPU than advanced indexing.
-            idx = torch.arange(n_cand, dtype=torch.int32, device=self.device)
-            mark = self._scratch
-            mark.index_copy_(0, cand, idx)
-            if exclude is not None:
-                mark.index_fill_(0, exclude, -1)
-            ok = mark.index_select(0, cand) == idx
-            mark.index_fill_(0, cand, -1)  # all -1 again (excluded slots already are)
-            ok &= (self.flags.index_select(0, cand) & ~DIRTY) == OCCUPIED  # occupied, no pins
-            cand = torch.masked_select(cand, ok)
+            # One occurrence per sampled slot, excluded slots dropped, occupied and unpinned only
+            cand = distinct_evictable(cand, exclude, self.flags, ~DIRTY, OCCUPIED, self._table)
         if cand is None or cand.numel() < k:  # small tier, or a mostly pinned one the sample missed
             evictable = self.evictable_mask()
             if exclude is not None:

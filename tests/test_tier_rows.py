@@ -1,5 +1,6 @@
-"""A tier's per-row bytes are what row_bytes() counts, and its packed flags (occupied, dirty, pins)
-and shared scratch behave as the separate arrays they replaced."""
+"""A tier's per-row bytes are what row_bytes() counts; its packed flags (occupied, dirty, pins) and
+its batch-sized scratch (the eviction sample's filter, the fused update) behave as the per-row
+arrays they replaced."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache
-from embcache.fused import fused_available
-from embcache.optim import state_width
-from embcache.tier import _BOOKKEEPING_BYTES, _INDEX_BYTES, MemoryTier, RowBatch
+from embcache.fused import fused_available, fused_update
+from embcache.optim import OptimizerParams, state_width
+from embcache.sample_filter import distinct_evictable, distinct_evictable_torch
+from embcache.slot_table import SlotTable
+from embcache.tier import _BOOKKEEPING_BYTES, _INDEX_BYTES, DIRTY, OCCUPIED, MemoryTier, RowBatch
 from embcache.types import Tier
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -39,12 +42,19 @@ def test_a_tier_allocates_exactly_the_bookkeeping_row_bytes_counts(device: str, 
     from embcache import TableConfig
 
     dim = 8
-    cache: EmbeddingCache = make_cache(hbm_rows=64, ddr_rows=128, device=device,
+    cache: EmbeddingCache = make_cache(hbm_rows=512, ddr_rows=1024, device=device,
                                        tables=[TableConfig(name="t", dim=dim, optimizer=optimizer, lr=0.1)])
     t = cache._tables["t"]
     keys = torch.arange(48)
     cache.lookup("t", keys)
-    cache.apply_gradients("t", keys, torch.ones(48, dim))  # all in HBM: the fused update's scratch is made (CPU)
+    cache.apply_gradients("t", keys, torch.ones(48, dim))  # all in HBM: the fused update (CPU)
+    scratch = t.hbm._fused_scratch
+    if scratch is not None:  # its scratch is sized by the batch (48 keys), not by the tier (512 rows)
+        assert t.hbm.device.type == "cpu" and scratch.table is t.hbm._table
+        sizes = [a.shape[0] for a in (*vars(scratch).values(), *vars(scratch.table).values())
+                 if isinstance(a, np.ndarray)]
+        assert len(sizes) == 3 and max(sizes) <= 128, sizes
+    cache.lookup("t", torch.arange(1000, 1700))  # HBM full, the rest to DDR, evictions sampled
     cache.begin_pass({"t": torch.arange(100, 140)})
     cache.lookup("t", torch.arange(100, 140))
     cache.end_pass().result(timeout=30)
@@ -58,9 +68,6 @@ def test_a_tier_allocates_exactly_the_bookkeeping_row_bytes_counts(device: str, 
         listed = {_ptr(a) for a in tier.arrays()}
         for a in _per_row_arrays(tier):
             assert _ptr(a) in listed, (tier.tier, a.dtype, a.shape)
-        scratch = tier._fused_scratch
-        if scratch is not None:  # the fused update's slot map is the tier's shared scratch, not a new array
-            assert tier.device.type == "cpu" and _ptr(scratch.pos) == _ptr(tier._scratch)
     if device == "cpu" and fused_available(t.hbm.weights):
         assert t.hbm._fused_scratch is not None  # the update above went through the fused kernel
 
@@ -110,9 +117,40 @@ def test_packed_flags_keep_occupied_dirty_and_pins_apart() -> None:
     assert tier.read(again).dirty.tolist() == [False] and tier.read(again).pins.tolist() == [0]
 
 
-def test_eviction_marks_leave_the_shared_scratch_clean_for_the_fused_update() -> None:
-    # The eviction sample marks slots in the scratch the fused update uses as its slot map
-    # (-1 = absent): a mark left behind would make the kernel sum a row's gradients into another's.
+def _marks_reference(cand: torch.Tensor, exclude: torch.Tensor | None, flags: torch.Tensor) -> torch.Tensor:
+    """The filter as the tier ran it before, with an int32 mark per slot: the last draw of a slot
+    wins (a serial index_copy_), excluded slots are unmarked, then occupied and unpinned only."""
+    mark = torch.full(flags.shape, -1, dtype=torch.int32)
+    idx = torch.arange(cand.numel(), dtype=torch.int32)
+    mark.index_copy_(0, cand, idx)
+    if exclude is not None:
+        mark.index_fill_(0, exclude, -1)
+    ok = (mark.index_select(0, cand) == idx) & ((flags.index_select(0, cand) & ~DIRTY) == OCCUPIED)
+    return torch.masked_select(cand, ok)
+
+
+@pytest.mark.parametrize(("capacity", "n", "n_exclude"), [(50, 20, 0), (1000, 400, 50), (100_000, 16_384, 4_000),
+                                                          (64, 500, 64)])
+def test_the_eviction_filter_keeps_what_the_slot_marks_kept(capacity: int, n: int, n_exclude: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    flags = torch.randint(0, 16, (capacity,), dtype=torch.int32, generator=gen)  # all combinations of bits
+    cand = torch.randint(0, capacity, (n,), generator=gen)
+    exclude = torch.randint(0, capacity, (n_exclude,), generator=gen) if n_exclude else None
+    with torch.inference_mode():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the reference's index_copy_ is serial (last draw wins) on one thread
+        try:
+            want = _marks_reference(cand, exclude, flags)
+        finally:
+            torch.set_num_threads(threads)
+    table = SlotTable()
+    for _ in range(2):  # the table is reused as the tier reuses it
+        assert torch.equal(distinct_evictable(cand, exclude, flags, ~DIRTY, OCCUPIED, table), want)
+    assert torch.equal(distinct_evictable_torch(cand, exclude, flags, ~DIRTY, OCCUPIED), want)
+
+
+def test_a_fused_update_right_after_an_eviction_sample_sums_duplicates_right() -> None:
+    # the eviction sample's filter and the fused update share the tier's batch-sized slot table
     cap, dim = 4096, 4
     tier = MemoryTier(Tier.HBM, cap, dim, 1, torch.float32, torch.device("cpu"))
     n = 3000
@@ -124,15 +162,10 @@ def test_eviction_marks_leave_the_shared_scratch_clean_for_the_fused_update() ->
                              generator=gen)  # 512 sampled of 4,096 slots: the sampled path
     assert victims.numel() == 64 and not bool(torch.isin(victims, slots[:500]).any())
     assert int(victims.unique().numel()) == 64
-    assert bool((tier._scratch == -1).all())
     if fused_available(tier.weights):
-        from embcache.fused import fused_update
-        from embcache.optim import OptimizerParams
-        from embcache.tier import DIRTY
-
         upd = slots[:10].repeat(2)
         fused_update("sgd", OptimizerParams(lr=1.0, eps=1e-8, beta1=0.9, beta2=0.999), tier.weights, tier.state,
                      tier.flags, DIRTY, upd, torch.ones(20, dim), tier.fused_scratch())
         assert torch.equal(tier.weights.index_select(0, slots[:10]), torch.full((10, dim), -2.0))
-        assert bool((tier._scratch == -1).all())
+        assert torch.equal(tier.weights.index_select(0, slots[10:]), torch.zeros(n - 10, dim))
         assert tier.dirty_at(slots[:10]).all() and not tier.dirty_at(slots[10:]).any()
