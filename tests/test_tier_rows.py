@@ -169,3 +169,25 @@ def test_a_fused_update_right_after_an_eviction_sample_sums_duplicates_right() -
         assert torch.equal(tier.weights.index_select(0, slots[:10]), torch.full((10, dim), -2.0))
         assert torch.equal(tier.weights.index_select(0, slots[10:]), torch.zeros(n - 10, dim))
         assert tier.dirty_at(slots[:10]).all() and not tier.dirty_at(slots[10:]).any()
+
+
+def test_the_gpu_path_of_the_eviction_sample_picks_the_victims_the_cpu_kernel_picks(fakecuda: Any) -> None:
+    # On "cuda" the sample's filter is torch operations (sort, searchsorted); on the CPU a compiled
+    # kernel. The same draws (same seed) must give the same victims, with no host sync in the
+    # filter beyond the final selection's.
+    n, cap = 3000, 4096
+    victims = []
+    for device in ("cpu", "cuda"):
+        tier = MemoryTier(Tier.HBM, cap, 4, 1, torch.float32, torch.device(device))
+        freq = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        pins = (torch.arange(n) % 7 == 0).to(torch.int32)  # some rows pinned
+        slots = tier.insert(RowBatch(torch.arange(n), torch.zeros(n, 4), torch.zeros(n, 1), freq,
+                                     torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool), pins))
+        gen = torch.Generator(device=device).manual_seed(3)
+        with fakecuda.count() as c:
+            v, _ = tier.lowest(64, lambda s, t=tier: t.freq.index_select(0, s), sample=8, exclude=slots[:700],
+                               generator=gen)
+        if device == "cuda":
+            assert len(c.syncs) <= 1, c.syncs  # the masked_select of the kept draws
+        victims.append(v.cpu())
+    assert victims[0].numel() == 64 and torch.equal(victims[0], victims[1])
