@@ -7,11 +7,11 @@ scatters back: profiled at batch 65,536 and dim 64 (row-wise AdaGrad, one thread
 which the scatter-add alone was 5 ms. :func:`fused_update` does the same work in two serial
 passes over the batch with no temporaries:
 
-1. deduplicate by slot (a per-tier scratch array maps a slot to its position among the batch's
-   unique rows) and sum duplicate gradients in batch order, which is the order and the rounding
-   of ``index_add_`` into zeros;
+1. deduplicate by slot (a batch-sized hash table, :class:`~embcache.slot_table.SlotTable`, maps a
+   slot to its position among the batch's unique rows) and sum duplicate gradients in batch
+   order, which is the order and the rounding of ``index_add_`` into zeros;
 2. for each unique row, apply the optimizer in place on the tier's weights and state and mark
-   the row dirty.
+   the row dirty (a bit ORed into the tier's per-row flags).
 
 The arithmetic mirrors :mod:`embcache.optim` operation for operation, with explicit fused
 multiply-adds exactly where torch's vectorized CPU kernels use them (``add(x, alpha=a)``). SGD
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .optim import OPTIMIZERS, OptimizerParams
+from .slot_table import GOLDEN, SlotTable
 
 __all__ = ["fused_available", "fused_update", "segment_sum"]
 
@@ -114,25 +115,34 @@ _prefetch: Any = _prefetch_py
 _sum_squares: Any = _sum_squares_py
 
 
-def _kernel_py(opt: int, weights: Any, state: Any, dirty: Any, slots: Any, grads: Any, pos: Any,  # pragma: no cover
-               uslots: Any, gsum: Any, lr: float, eps: float, beta1: float, beta2: float, wd: float) -> int:
+def _kernel_py(opt: int, weights: Any, state: Any, flags: Any, dirty: Any, slots: Any, grads: Any,  # pragma: no cover
+               table: Any, shift: Any, uslots: Any, gsum: Any, lr: float, eps: float, beta1: float,
+               beta2: float, wd: float) -> int:
     """The fused update (see the module docstring); returns the number of unique rows."""
     n, d = grads.shape
     lr32, eps32, wd32 = _F32(lr), _F32(eps), _F32(wd)
     neg_lr32 = _F32(-lr)
     one_b1, one_b2, beta1_32 = _F32(1.0 - beta1), _F32(1.0 - beta2), _F32(beta1)
+    mask = table.shape[0] - 1
+    for h in range(mask + 1):
+        table[h] = -1
     u = 0
     for i in range(n):  # 1. unique rows and summed gradients, in batch order
         s = slots[i]
-        p = pos[s]
-        if p < 0:
+        h = np.int64((np.uint64(s) * GOLDEN) >> shift)
+        e = table[h]
+        while e >= 0 and (e >> 32) != s:
+            h = (h + 1) & mask
+            e = table[h]
+        if e < 0:
             p = u
-            pos[s] = p
+            table[h] = (s << 32) | p
             uslots[p] = s
             u += 1
             for j in range(d):
                 gsum[p, j] = _F32(0.0) + grads[i, j]
         else:
+            p = e & 0xFFFFFFFF
             for j in range(d):
                 gsum[p, j] += grads[i, j]
     width = state.shape[1]
@@ -143,9 +153,9 @@ def _kernel_py(opt: int, weights: Any, state: Any, dirty: Any, slots: Any, grads
                 _prefetch(weights, q, k)
             for k in range(0, width, _LINE):
                 _prefetch(state, q, k)
+            _prefetch(flags, q, 0)
         s = uslots[p]
-        pos[s] = -1
-        dirty[s] = True
+        flags[s, 0] |= dirty
         w = weights[s]
         st = state[s]
         g = gsum[p]
@@ -226,10 +236,11 @@ def fused_available(weights: torch.Tensor) -> bool:
 
 
 class FusedScratch:
-    """Per-tier scratch of :func:`fused_update`: a slot-to-position map and grow-only buffers."""
+    """Per-tier scratch of :func:`fused_update`, all sized by the batch and reused across calls:
+    the slot table that deduplicates, the unique slots and their summed gradients."""
 
-    def __init__(self, capacity: int) -> None:
-        self.pos = np.full(max(capacity, 1), -1, dtype=np.int32)  # -1 between calls
+    def __init__(self, table: SlotTable | None = None) -> None:
+        self.table = table or SlotTable()  # a tier lends the one its eviction sample uses too
         self.uslots = np.empty(0, dtype=np.int64)
         self.gsum = np.empty((0, 0), dtype=np.float32)
 
@@ -243,7 +254,8 @@ class FusedScratch:
 
 
 def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor, state: torch.Tensor,
-                 dirty: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor, scratch: FusedScratch) -> int:
+                 flags: torch.Tensor, dirty: int, slots: torch.Tensor, grads: torch.Tensor,
+                 scratch: FusedScratch) -> int:
     """Apply one optimizer step in place to the rows at ``slots``; returns the number of unique rows.
 
     Args:
@@ -251,9 +263,10 @@ def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor,
         params: the hyper-parameters.
         weights: the tier's float32 [capacity, dim] rows (CPU, contiguous), changed in place.
         state: the tier's float32 [capacity, S] optimizer state, changed in place.
-        dirty: the tier's bool [capacity] dirty bits; updated rows are set.
+        flags: the tier's int32 [capacity] per-row flags; ``dirty`` is ORed into those of updated rows.
         slots: int64 [n] slot of each key of the batch (duplicates allowed, all valid).
         grads: float32 [n, dim] gradient of each key (CPU).
+        dirty: the bit that marks a row dirty in ``flags``.
         scratch: the tier's :class:`FusedScratch`.
 
     Raises:
@@ -264,8 +277,12 @@ def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor,
         raise RuntimeError("the fused update kernel needs numba and CPU float32 rows")
     n, dim = grads.shape
     uslots, gsum = scratch.buffers(n, dim)
-    return int(kernel(OPTIMIZERS.index(optimizer), weights.numpy(), state.numpy(), dirty.numpy(),
-                      slots.contiguous().numpy(), grads.contiguous().numpy(), scratch.pos, uslots, gsum,
+    if flags.dtype != torch.int32:
+        raise RuntimeError(f"the fused update kernel needs int32 flags, got {flags.dtype}")
+    table, shift = scratch.table.arrays(n)
+    flags2 = flags.numpy().reshape(-1, 1)  # 2-D for the prefetch intrinsic
+    return int(kernel(OPTIMIZERS.index(optimizer), weights.numpy(), state.numpy(), flags2, np.int32(dirty),
+                      slots.contiguous().numpy(), grads.contiguous().numpy(), table, shift, uslots, gsum,
                       params.lr, params.eps, params.beta1, params.beta2, params.weight_decay))
 
 

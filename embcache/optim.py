@@ -248,8 +248,8 @@ def apply_update(
         if fused_available(weights):
             new_w, new_s = weights.clone(), state.clone()
             n = weights.shape[0]
-            fused_update(optimizer, params, new_w, new_s, torch.zeros(n, dtype=torch.bool),
-                         torch.arange(n), grads, FusedScratch(n))
+            fused_update(optimizer, params, new_w, new_s, torch.zeros(n, dtype=torch.int32), 1,
+                         torch.arange(n), grads, FusedScratch())
             return new_w, new_s
     return torch_update(optimizer, params, weights, state, grads)
 

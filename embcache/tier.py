@@ -13,23 +13,47 @@ from typing import Protocol
 
 import torch
 
+from .errors import ConfigError
 from .fused import FusedScratch
 from .hostmem import host_zeros
 from .index import make_index
+from .sample_filter import distinct_evictable
+from .slot_table import SlotTable
 from .types import Tier
 
-__all__ = ["MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory", "resident_row_bytes", "to_device", "to_host"]
+__all__ = ["DIRTY", "MAX_TIER_ROWS", "OCCUPIED", "PIN", "MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory",
+           "resident_row_bytes", "to_device", "to_host"]
 
-# Per-row bookkeeping besides weights and state: freq (8), last (8), key (8), occupied and
-# dirty (1 + 1), pins (4), the free-slot stack (8), the fused update's slot map (4) and the
-# eviction sample's marks (4).
-_BOOKKEEPING_BYTES = 46
+# Per-row bookkeeping besides weights and state, every array MemoryTier.arrays() lists: freq
+# (float64, 8), last (int64, 8), key (int64, 8), flags (int32, 4: occupied, dirty and the pin
+# count packed) and the free-slot stack (int32, 4). The scratch of the fused update and of the
+# eviction sample is sized by the batch (embcache/slot_table.py), not per row. freq and last keep
+# their widths: the key index's compiled kernels update them in place as float64 and int64
+# (embcache/index/), and the clock (ticks = key occurrences looked up) is never rebased, so it
+# outgrows int32 within minutes.
+_BOOKKEEPING_BYTES = 32
 # The key index: entries of 12 bytes (key, int32 slot) in tables sized to their load, not rounded
 # up to a power of two. NumbaIndex (CPU): 2 entries per row (load 0.5), 24 bytes. TorchIndex (the
 # CUDA index): 8-entry buckets at load <= 0.55 and a stash, ~22 bytes (TorchIndex.nbytes), until
 # a full stash makes it grow (adversarial keys; not seen at its load). 64 before (16-byte
 # entries, next_pow2(2 x rows) of them).
 _INDEX_BYTES = 24
+
+
+# The bits of MemoryTier.flags: a row is there, it differs from its stored copy, and its pin count
+# in steps of PIN (up to 2**29 - 1 holders).
+OCCUPIED = 1
+DIRTY = 2
+_PIN_SHIFT = 2
+PIN = 1 << _PIN_SHIFT
+
+# Slots are int32 in the free-slot stack: a tier holds at most 2**31 - 1 rows.
+MAX_TIER_ROWS = 2**31 - 1
+
+
+def _free_stack(capacity: int, device: torch.device) -> torch.Tensor:
+    """Every slot free, as a stack (int32): popping from the end hands out low slots first."""
+    return torch.arange(capacity - 1, -1, -1, dtype=torch.int32, device=device)
 
 
 def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
@@ -143,6 +167,9 @@ class MemoryTier:
 
     def __init__(self, tier: Tier, capacity: int, dim: int, state_width: int, dtype: torch.dtype,
                  device: torch.device, pinned_reads: bool = False) -> None:
+        if capacity > MAX_TIER_ROWS:
+            raise ConfigError(f"{tier.value} tier: {capacity} rows exceed the {MAX_TIER_ROWS} a tier can hold "
+                              "(slots are int32); give the table less memory or split it")
         self.tier = tier
         self.dim = dim
         self.device = device
@@ -172,14 +199,15 @@ class MemoryTier:
         self.freq = zeros((capacity,), torch.float64)
         self.last = zeros((capacity,), torch.int64)
         self.keys = zeros((capacity,), torch.int64)
-        self.occupied = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.pins = torch.zeros(capacity, dtype=torch.int32, device=device)  # holders keeping a row resident
-        self._mark = torch.zeros(capacity, dtype=torch.int32, device=device)  # scratch of lowest()
+        # occupied (bit 0), dirty (bit 1) and pins (the rest: holders keeping a row resident, in
+        # steps of PIN) in one int32 per slot; read and change them through the methods below.
+        self.flags = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.index = make_index(max(capacity, 1), device)
+        # Batch-sized scratch of the compiled CPU kernels (the fused update, the eviction sample's
+        # filter), nothing per row; they run under the table's lock, one call at a time.
+        self._table = SlotTable()
         self._fused_scratch: FusedScratch | None = None
-        # Free slots as a stack; popping from the end hands out low slots first.
-        self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)
+        self._free = _free_stack(capacity, device)
         self._n_free = capacity
 
     def release(self) -> None:
@@ -190,8 +218,7 @@ class MemoryTier:
 
     def arrays(self) -> tuple[torch.Tensor, ...]:
         """Every per-row array the tier allocated (the key index apart)."""
-        return (self.weights, self.state, self.freq, self.last, self.keys, self.occupied, self.dirty, self.pins,
-                self._mark, self._free)
+        return (self.weights, self.state, self.freq, self.last, self.keys, self.flags, self._free)
 
     # -- sizes ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -233,7 +260,7 @@ class MemoryTier:
     def fused_scratch(self) -> FusedScratch:
         """Scratch buffers of the fused update kernel for this tier (made on first use)."""
         if self._fused_scratch is None:
-            self._fused_scratch = FusedScratch(self.capacity)
+            self._fused_scratch = FusedScratch(self._table)
         return self._fused_scratch
 
     def touch(self, slots: torch.Tensor, amounts: torch.Tensor, now: int) -> None:
@@ -245,22 +272,60 @@ class MemoryTier:
         """Copies of the rows at ``slots`` (no change to the tier); ``pinned=False`` keeps a CUDA
         cache's DDR reads out of pinned memory (rows that stay on the host)."""
         slots = to_device(slots, self.device)
+        n = slots.numel()
+        flags = self.flags.index_select(0, slots)
         if self.pinned_reads and pinned:  # gathered straight into pinned memory: the copy to the GPU needs no staging
-            return RowBatch(*(torch.index_select(t, 0, slots, out=torch.empty(
-                (slots.numel(), *t.shape[1:]), dtype=t.dtype, pin_memory=True)) for t in self._columns()))
-        return RowBatch(*(t.index_select(0, slots) for t in self._columns()))
+            def out(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            cols = [torch.index_select(t, 0, slots, out=out((n, *t.shape[1:]), t.dtype)) for t in self._columns()]
+            dirty = torch.ne(flags & DIRTY, 0, out=out((n,), torch.bool))
+            pins = torch.bitwise_right_shift(flags, _PIN_SHIFT, out=out((n,), torch.int32))
+        else:
+            cols = [t.index_select(0, slots) for t in self._columns()]
+            dirty, pins = (flags & DIRTY) != 0, flags >> _PIN_SHIFT
+        keys, weights, state, freq, last = cols
+        return RowBatch(keys, weights, state, freq, last, dirty, pins)
 
     def _columns(self) -> tuple[torch.Tensor, ...]:
-        # The per-row tensors in RowBatch's field order.
-        return (self.keys, self.weights, self.state, self.freq, self.last, self.dirty, self.pins)
+        # The per-row tensors of RowBatch's first fields (its dirty and pins are in ``flags``).
+        return (self.keys, self.weights, self.state, self.freq, self.last)
+
+    # -- flags: occupied, dirty, pins ------------------------------------------------------------
+    def occupied_mask(self) -> torch.Tensor:
+        """Bool [capacity]: which slots hold rows."""
+        return (self.flags & OCCUPIED) != 0
+
+    def evictable_mask(self) -> torch.Tensor:
+        """Bool [capacity]: which slots hold rows that no one pins."""
+        return (self.flags & ~DIRTY) == OCCUPIED
 
     def dirty_slots(self) -> torch.Tensor:
         """Slots of resident rows that differ from their stored copy."""
-        return torch.nonzero(self.dirty & self.occupied).flatten()
+        return torch.nonzero((self.flags & (OCCUPIED | DIRTY)) == (OCCUPIED | DIRTY)).flatten()
 
     def occupied_slots(self) -> torch.Tensor:
         """Slots holding rows."""
-        return torch.nonzero(self.occupied).flatten()
+        return torch.nonzero(self.occupied_mask()).flatten()
+
+    def dirty_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bool [n]: the dirty bits of ``slots`` (int64 [n])."""
+        return (self.flags.index_select(0, to_device(slots, self.device)) & DIRTY) != 0
+
+    def pins_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """Int32 [n]: the pin counts of ``slots`` (int64 [n])."""
+        return self.flags.index_select(0, to_device(slots, self.device)) >> _PIN_SHIFT
+
+    def set_dirty(self, slots: torch.Tensor, dirty: bool | torch.Tensor) -> None:
+        """Set the dirty bits of ``slots`` (int64 [n]) to ``dirty`` (a bool or bool [n])."""
+        if slots.numel() == 0:
+            return
+        slots = to_device(slots, self.device)
+        f = self.flags.index_select(0, slots) & ~DIRTY
+        if isinstance(dirty, torch.Tensor):
+            f |= dirty.to(device=f.device, dtype=torch.int32) * DIRTY
+        elif dirty:
+            f |= DIRTY
+        self.flags.index_copy_(0, slots, f)
 
     # -- change --------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
@@ -268,7 +333,7 @@ class MemoryTier:
         slots = to_device(slots, self.device)
         self.weights[slots] = to_device(weights.to(self.weights.dtype), self.device)
         self.state[slots] = to_device(state, self.device)
-        self.dirty[slots] = True
+        self.set_dirty(slots, True)
 
     def insert(self, rows: RowBatch) -> torch.Tensor:
         """Place ``rows`` (keys unique and absent) in free slots; returns their slots.
@@ -281,12 +346,13 @@ class MemoryTier:
             raise RuntimeError(f"{self.tier.value} tier: {n} rows do not fit in {self._n_free} free slots")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        slots = self._free[self._n_free - n:self._n_free].clone()
+        slots = self._free[self._n_free - n:self._n_free].to(torch.int64)
         self._n_free -= n
         rows = rows.to(self.device)
-        for column, values in zip(self._columns(), rows._fields(), strict=True):
+        for column, values in zip(self._columns(), rows._fields()[:5], strict=True):
             column.index_copy_(0, slots, values.to(column.dtype))
-        self.occupied.index_fill_(0, slots, True)
+        flags = (rows.pins.to(torch.int32) << _PIN_SHIFT) | (rows.dirty.to(torch.int32) * DIRTY) | OCCUPIED
+        self.flags.index_copy_(0, slots, flags)
         self.index.insert(rows.keys, slots)
         return slots
 
@@ -296,9 +362,7 @@ class MemoryTier:
             return
         slots = to_device(slots, self.device)
         self.index.erase(self.keys.index_select(0, slots))
-        self.occupied.index_fill_(0, slots, False)
-        self.dirty.index_fill_(0, slots, False)
-        self.pins.index_fill_(0, slots, 0)
+        self.flags.index_fill_(0, slots, 0)
         n = slots.numel()
         self._free[self._n_free:self._n_free + n] = slots
         self._n_free += n
@@ -311,16 +375,19 @@ class MemoryTier:
             return
         slots = to_device(slots, self.device)
         if where is None:
-            amounts = torch.full(slots.shape, delta, dtype=torch.int32, device=self.device)
+            amounts = torch.full(slots.shape, delta * PIN, dtype=torch.int32, device=self.device)
         else:
-            amounts = where.to(torch.int32) * delta
+            amounts = where.to(torch.int32) * (delta * PIN)
             slots = slots.clamp(min=0)  # masked-out slots add 0 to slot 0
-        self.pins.index_add_(0, slots, amounts)
-        self.pins[slots] = self.pins[slots].clamp_(min=0)
+        self.flags.index_add_(0, slots, amounts)
+        # A count below 0 goes back to 0: its flag bits are intact (steps of PIN leave them), and
+        # then f & (PIN - 1) > f.
+        f = self.flags.index_select(0, slots)
+        self.flags.index_copy_(0, slots, torch.maximum(f, f & (PIN - 1)))
 
     def pinned_count(self) -> int:
         """Resident rows held by at least one pin."""
-        return int((self.occupied & (self.pins > 0)).sum())
+        return int(((self.flags >= PIN) & ((self.flags & OCCUPIED) != 0)).sum())
 
     def scale_freq(self, factor: float) -> None:
         """Multiply every frequency by ``factor`` (clock renormalization)."""
@@ -329,10 +396,8 @@ class MemoryTier:
     def clear(self) -> None:
         """Drop every row (the caller has written dirty ones back)."""
         self.index.clear()
-        self.occupied.zero_()
-        self.dirty.zero_()
-        self.pins.zero_()
-        self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self.flags.zero_()
+        self._free = _free_stack(self.capacity, self.device)
         self._n_free = self.capacity
 
     # -- eviction ------------------------------------------------------------------------------
@@ -362,19 +427,10 @@ class MemoryTier:
         cand = None
         if n_cand * 2 < self.capacity:
             cand = torch.randint(0, self.capacity, (n_cand,), device=self.device, generator=generator)
-            # One occurrence per sampled slot, excluded slots dropped, by marks in a scratch array
-            # (torch.unique and torch.isin sort: several times slower on a batch this small).
-            # index_select / index_copy_ / masked_select: 3-5x faster on CPU than advanced indexing.
-            idx = torch.arange(n_cand, dtype=torch.int32, device=self.device)
-            self._mark.index_copy_(0, cand, idx)
-            if exclude is not None:
-                self._mark.index_fill_(0, exclude, -1)
-            ok = self._mark.index_select(0, cand) == idx
-            ok &= self.occupied.index_select(0, cand)
-            ok &= self.pins.index_select(0, cand) == 0
-            cand = torch.masked_select(cand, ok)
+            # One occurrence per sampled slot, excluded slots dropped, occupied and unpinned only
+            cand = distinct_evictable(cand, exclude, self.flags, ~DIRTY, OCCUPIED, self._table)
         if cand is None or cand.numel() < k:  # small tier, or a mostly pinned one the sample missed
-            evictable = self.occupied & (self.pins == 0)
+            evictable = self.evictable_mask()
             if exclude is not None:
                 evictable.index_fill_(0, exclude, False)
             cand = torch.nonzero(evictable).flatten()

@@ -9,6 +9,7 @@ import torch
 
 from embcache.fused import FusedScratch, fused_available, fused_update, segment_sum
 from embcache.optim import OPTIMIZERS, OptimizerParams, apply_update, state_width, torch_update
+from embcache.tier import DIRTY
 
 pytestmark = pytest.mark.skipif(not fused_available(torch.zeros(1, 1)), reason="needs numba")
 
@@ -33,16 +34,18 @@ def test_fused_update_equals_apply_update(optimizer: str, weight_decay: float, d
     state = torch.rand(capacity, state_width(optimizer, dim), generator=gen)
     if optimizer == "adam":
         state[:, 2 * dim:] = torch.randint(0, 5, (capacity, 1), generator=gen).float()  # step counts
-    dirty = torch.zeros(capacity, dtype=torch.bool)
+    # a tier's flags: occupied, dirty, pins above (tier.py); the kernel sets the dirty bit, keeps the rest
+    flags = torch.randint(0, 1 << 20, (capacity,), dtype=torch.int32, generator=gen) & ~DIRTY
+    flags_before = flags.clone()
     params = OptimizerParams(lr=0.05, eps=1e-8, beta1=0.9, beta2=0.999, weight_decay=weight_decay)
     slots = torch.randint(0, capacity - 10, (n,), generator=gen)  # duplicates; the last 10 rows untouched
     grads = torch.randn(n, dim, generator=gen)
     grads_before, untouched = grads.clone(), (weights[-10:].clone(), state[-10:].clone())
     uniq, want_w, want_s = reference(optimizer, params, weights, state, slots, grads, torch_update)
     _, gathered_w, gathered_s = reference(optimizer, params, weights, state, slots, grads, apply_update)
-    scratch = FusedScratch(capacity)
+    scratch = FusedScratch()
 
-    assert fused_update(optimizer, params, weights, state, dirty, slots, grads, scratch) == uniq.numel()
+    assert fused_update(optimizer, params, weights, state, flags, DIRTY, slots, grads, scratch) == uniq.numel()
 
     if optimizer == "sgd":  # the same operations, the same roundings (fused multiply-add where torch has one)
         assert torch.equal(weights[uniq], want_w) and torch.equal(state[uniq], want_s)
@@ -52,9 +55,16 @@ def test_fused_update_equals_apply_update(optimizer: str, weight_decay: float, d
     # in place or on gathered rows, the CPU arithmetic is one kernel: a row's tier never shows
     assert torch.equal(weights[uniq], gathered_w) and torch.equal(state[uniq], gathered_s)
     assert torch.equal(weights[-10:], untouched[0]) and torch.equal(state[-10:], untouched[1])
-    assert torch.equal(dirty, torch.zeros(capacity, dtype=torch.bool).index_fill_(0, uniq, True))
+    assert torch.equal(flags, flags_before.index_copy(0, uniq, flags_before[uniq] | DIRTY))
     assert torch.equal(grads, grads_before)
-    assert (scratch.pos == -1).all()  # the slot map is clean for the next call
+    # the scratch (a hash table of the batch's slots) serves the next call: a smaller batch of
+    # other rows, every slot twice, dedups and sums right after a bigger one filled the table
+    again = torch.arange(capacity - 10, capacity).repeat(2)
+    g2 = torch.randn(20, dim, generator=gen)
+    uniq2, want_w2, want_s2 = reference(optimizer, params, weights, state, again, g2, apply_update)
+    assert fused_update(optimizer, params, weights, state, flags, DIRTY, again, g2, scratch) == 10
+    torch.testing.assert_close(weights[uniq2], want_w2, rtol=0, atol=0)
+    torch.testing.assert_close(state[uniq2], want_s2, rtol=0, atol=0)
 
 
 def test_fused_update_refuses_rows_it_cannot_update() -> None:
@@ -62,7 +72,10 @@ def test_fused_update_refuses_rows_it_cannot_update() -> None:
     params = OptimizerParams(lr=0.1, eps=1e-8, beta1=0.9, beta2=0.999)
     with pytest.raises(RuntimeError, match="float32"):
         fused_update("sgd", params, torch.zeros(2, 2, dtype=torch.float16), torch.zeros(2, 0),
-                     torch.zeros(2, dtype=torch.bool), torch.tensor([0]), torch.ones(1, 2), FusedScratch(2))
+                     torch.zeros(2, dtype=torch.int32), DIRTY, torch.tensor([0]), torch.ones(1, 2), FusedScratch())
+    with pytest.raises(RuntimeError, match="int32 flags"):
+        fused_update("sgd", params, torch.zeros(2, 2), torch.zeros(2, 0),
+                     torch.zeros(2, dtype=torch.bool), DIRTY, torch.tensor([0]), torch.ones(1, 2), FusedScratch())
 
 
 def test_segment_sum_is_index_add_bit_for_bit() -> None:

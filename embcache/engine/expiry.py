@@ -258,7 +258,7 @@ def flush_touches(t: TableEngine) -> None:
     if t.expiry is None:
         return
     for tier in (t.hbm, t.ddr):
-        slots = torch.nonzero(tier.occupied & (tier.last >= t.expiry.flushed)).flatten()
+        slots = torch.nonzero(tier.occupied_mask() & (tier.last >= t.expiry.flushed)).flatten()
         for start in range(0, slots.numel(), SWEEP_CHUNK):
             part = slots[start:start + SWEEP_CHUNK]
             t.rows.write_touches(tier.keys[part].cpu().numpy(), tier.last[part].cpu().numpy())
@@ -323,7 +323,7 @@ def _sweep_memory(t: TableEngine) -> None:
                 t.check_open()
                 if tier.capacity == 0:
                     break
-                expired = tier.occupied & (tier.pins == 0) & (tier.last < threshold(t))
+                expired = tier.evictable_mask() & (tier.last < threshold(t))
                 slots = torch.nonzero(expired).flatten()[:DELETE_CHUNK]
                 if slots.numel() == 0:
                     break

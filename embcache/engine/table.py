@@ -424,7 +424,7 @@ class TableEngine:
         for tier, slots, idx in ((self.hbm, h_slots, h_idx), (self.ddr, d_slots, d_idx)):
             if slots.numel():
                 # advanced indexing copies: these are the old rows, kept to undo a failed placement
-                old = (tier.weights[slots], tier.state[slots], tier.dirty[slots])
+                old = (tier.weights[slots], tier.state[slots], tier.dirty_at(slots))
                 w, s = fn(old[0], old[1], idx)
                 tier.write(slots, w, s)
                 expiry.touch_resident(self, tier, slots)
@@ -454,7 +454,7 @@ class TableEngine:
             for tier, slots, (w, s, d) in undo:
                 tier.weights[slots] = w
                 tier.state[slots] = s
-                tier.dirty[slots] = d
+                tier.set_dirty(slots, d)
             raise
 
     # ------------------------------------------------------------------ arranging for passes
@@ -568,7 +568,7 @@ class TableEngine:
         rows = tier.read(slots)
         expiry.write_leaving_touches(self, rows)  # a stored row always has its touch
         self.rows.write(rows)
-        tier.dirty[slots] = False
+        tier.set_dirty(slots, False)
         return int(slots.numel())
 
     def write_dirty(self) -> None:
@@ -606,7 +606,7 @@ class TableEngine:
                 weights, state = self.codec.decode(np.ascontiguousarray(records))
             at = slots.index_select(0, pos)
             tier.write(at, weights.index_select(0, pos), state.index_select(0, pos))
-            tier.dirty.index_fill_(0, to_device(at, tier.device), False)
+            tier.set_dirty(at, False)
         self.recent = None  # the rows a lookup kept aside may be of these keys
 
     def import_records(self, keys: torch.Tensor, records: np.ndarray, freq: np.ndarray | None,

@@ -14,7 +14,7 @@ import torch
 from ..fused import fused_available, fused_update
 from ..optim import apply_update, initial_state
 from ..rounding import to_storage
-from ..tier import to_device
+from ..tier import DIRTY, to_device
 from ..validate import nonfinite_gradients
 from .expiry import touch_resident
 
@@ -46,7 +46,7 @@ def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor,
         # fused kernel dedups, sums and updates in place (embcache/fused.py)
         slots = hbm.find(keys)
         if bool((slots >= 0).all()):
-            fused_update(t.cfg.optimizer, t.params, hbm.weights, hbm.state, hbm.dirty, slots,
+            fused_update(t.cfg.optimizer, t.params, hbm.weights, hbm.state, hbm.flags, DIRTY, slots,
                          grads.to(torch.float32), hbm.fused_scratch())
             touch_resident(t, hbm, slots)
             t.stats.updates += keys.numel()
@@ -79,7 +79,7 @@ def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor,
         new_w, new_s = apply_update(cfg.optimizer, t.params, w, hbm.state.index_select(0, hslots), gsum)
         hbm.weights.index_copy_(0, hslots, stored(new_w, ukeys))
         hbm.state.index_copy_(0, hslots, new_s)
-        hbm.dirty.index_fill_(0, hslots, True)
+        hbm.set_dirty(hslots, True)
         touch_resident(t, hbm, hslots)
     else:
         def update(weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
