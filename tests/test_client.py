@@ -342,7 +342,8 @@ def test_keysets_above_the_message_limit_are_chunked_and_the_pass_is_exact(roomy
         try:
             assert ref.capacity_rows(cfg.name) == cap and ref.row_bytes(cfg.name) == rb
             rng = np.random.default_rng(7)
-            # more keys than HBM holds, fewer than both tiers (sized from the capacities: a fixed count broke when rows shrank)
+            # more keys than HBM holds, fewer than both tiers (sized from the capacities: a fixed
+            # count broke when rows shrank)
             keys = np.unique(rng.integers(-2**62, 2**62, cap["hbm"] + cap["ddr"] // 2))
             counts = np.minimum(rng.zipf(1.5, keys.size), 10**6).astype(np.int64)
             ks = Keyset(torch.from_numpy(keys), torch.from_numpy(counts))
