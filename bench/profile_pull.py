@@ -4,8 +4,9 @@ Run from the repository root::
 
     .venv/bin/python bench/profile_pull.py            # writes bench/results/profile-pull.json and .md
 
-In one run, with the same keys (every row resident in memory, as in ``bench_server``), each part
-is the median of ``--reps`` calls (the server's handler: the mean over those calls):
+In one run, with the same batches of keys (uniform over the table, a new one each call, every row
+resident in memory, as in ``bench_server``), each part is the median of ``--reps`` calls (the
+server's handler: the mean over those calls):
 
 - **end to end**: ``embcache.Client.lookup`` against a real ``embcache-server`` process;
 - **server handler**: the time the server spent in the call, from its own metrics
@@ -25,6 +26,7 @@ echo + cache lookup; the report gives the measured end to end against it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import statistics
@@ -50,6 +52,7 @@ from embcache.errors import InvalidRowsError  # noqa: E402
 from embcache.rpc import codec, wire  # noqa: E402
 from embcache.server.local import LocalServer  # noqa: E402
 
+BATCHES = 64
 _HANDLER = re.compile(r'^embcache_rpc_request_duration_seconds_(sum|count)\{[^}]*method="Lookup"[^}]*\} (\S+)$', re.M)
 
 
@@ -70,7 +73,11 @@ def handler_totals(metrics_port: int) -> tuple[float, float]:
 def profile(batch: int, reps: int, rows: int, work: str) -> dict[str, Any]:
     """Every part of the pull (see the module docstring), in milliseconds."""
     rng = np.random.default_rng(0)
-    keys = rng.integers(0, rows, batch, dtype=np.int64)
+    # a new batch each call, cycling through BATCHES of them: the same keys every time would find
+    # their rows in the CPU's caches, which a training job's next batch does not
+    batches = [rng.integers(0, rows, batch, dtype=np.int64) for _ in range(BATCHES)]
+    keys = batches[0]
+    nxt = itertools.cycle(range(BATCHES)).__next__
     values = torch.randn(rows, DIM)
     table = TableConfig(name="bench", dim=DIM, optimizer="sgd", lr=0.001)
     parts: dict[str, float] = {}
@@ -84,7 +91,7 @@ def profile(batch: int, reps: int, rows: int, work: str) -> dict[str, Any]:
                 client.assign("bench", np.arange(start, min(rows, start + (1 << 16))), values[start:start + (1 << 16)])
             client.lookup("bench", keys)
             s0, n0 = handler_totals(server.metrics_port)
-            parts["end to end"] = median_ms(lambda: client.lookup("bench", keys), reps, warmup=0)
+            parts["end to end"] = median_ms(lambda: client.lookup("bench", batches[nxt()]), reps, warmup=0)
             s1, n1 = handler_totals(server.metrics_port)
             parts["server handler"] = 1e3 * (s1 - s0) / max(n1 - n0, 1)
     finally:
@@ -94,10 +101,10 @@ def profile(batch: int, reps: int, rows: int, work: str) -> dict[str, Any]:
                                     device="cpu"), [table]) as cache:
         for start in range(0, rows, 1 << 16):
             cache.assign("bench", torch.arange(start, min(rows, start + (1 << 16))), values[start:start + (1 << 16)])
-        tkeys = torch.from_numpy(keys)
+        tkeys = [torch.from_numpy(k) for k in batches]
         out = torch.empty(batch, DIM)
-        parts["cache lookup"] = median_ms(lambda: cache.lookup("bench", tkeys, out=out), reps)
-        reply = wire.encode_lookup_response([("bench", cache.lookup("bench", tkeys).numpy())])
+        parts["cache lookup"] = median_ms(lambda: cache.lookup("bench", tkeys[nxt()], out=out), reps)
+        reply = wire.encode_lookup_response([("bench", cache.lookup("bench", tkeys[0]).numpy())])
     parts["client encode"] = median_ms(lambda: wire.encode_lookup_request([("bench", keys)]), reps)
     def decode() -> torch.Tensor:  # as embcache.client.routing.fill does for a whole batch's reply
         rows = codec.decode_tensor(wire.parse_lookup_response(reply)[0].rows, "rows", InvalidRowsError, ("float32",), 2)
