@@ -77,6 +77,10 @@ def _close_open_caches() -> None:
             print(f"embcache: closing {cache.config.path!r} at exit failed: {exc}", file=sys.stderr)
 
 
+def _assign(t: TableEngine, keys: torch.Tensor, rows: torch.Tensor, given: object) -> None:
+    update.assign(t, keys, rows)  # the caller's keys object only serves updates (engine/found.py)
+
+
 class EmbeddingCache:
     """Embedding tables in a hierarchy of HBM, DDR and an on-disk store.
 
@@ -290,16 +294,17 @@ class EmbeddingCache:
 
     def _write(self, updates: Mapping[str, tuple[Any, Any]],
                check: Callable[[str, Any, Any], tuple[TableEngine, torch.Tensor, torch.Tensor]],
-               fn: Callable[[TableEngine, torch.Tensor, torch.Tensor], None]) -> None:
-        """Check every table's ``(keys, values)``, then run ``fn(t, keys, values)`` per table under
-        its lock (nothing for an empty batch): one table's bad input changes no table."""
-        checked = [check(name, k, v) for name, (k, v) in updates.items()]
-        for t, keys, values in checked:
+               fn: Callable[[TableEngine, torch.Tensor, torch.Tensor, Any], None]) -> None:
+        """Check every table's ``(keys, values)``, then run ``fn(t, keys, values, given)`` per table
+        under its lock (``given``: the caller's keys object; nothing for an empty batch): one
+        table's bad input changes no table."""
+        checked = [(*check(name, k, v), k) for name, (k, v) in updates.items()]
+        for t, keys, values, given in checked:
             if keys.numel() == 0:
                 continue
             with t.lock:
                 t.check_open()  # closed while waiting for the lock?
-                fn(t, keys, values)
+                fn(t, keys, values, given)
 
     # ------------------------------------------------------------------ lookup and update
     def lookup(self, table: str, keys: Any, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -316,6 +321,7 @@ class EmbeddingCache:
             StoreError (the store failed; nothing changed).
         """
         t = self._table(table)
+        keys_arg = keys
         given, keys = self._keys_both(keys)
         n, dim = keys.numel(), t.cfg.dim
         if out is None:
@@ -326,7 +332,7 @@ class EmbeddingCache:
             return out
         with t.lock:
             t.check_open()  # closed while waiting for the lock?
-            return t.lookup(given, keys, out)
+            return t.lookup(given, keys, out, raw=keys_arg)
 
     def lookup_many(self, keys: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Rows of several tables in one call: ``{table: keys [n]} -> {table: float32 [n, dim]}``.
@@ -354,12 +360,15 @@ class EmbeddingCache:
             NonFiniteGradientError (NaN/inf, unless ``reject_nonfinite=False``), BatchTooLargeError,
             CacheClosedError, StoreError (nothing changed).
         """
-        if self._device.type == "cuda" and self._config.reject_nonfinite:
-            # one host sync fewer: the finite check is read back with the update's own check of
-            # which rows are in HBM, before anything changes (update.apply_gradients)
-            self._write({table: (keys, grads)}, self._gradient_shapes, update.apply_finite_gradients)
-        else:
-            self._write({table: (keys, grads)}, self._checked_gradients, update.apply_gradients)
+        # The finite check runs under the lock, before anything changes: on the CPU inside the
+        # fused kernel, which reads every gradient anyway; on a GPU read back with the update's
+        # own check of which rows are in HBM (one host sync fewer). See update.apply_gradients.
+        t, checked, g = self._gradient_shapes(table, keys, grads)
+        if checked.numel() == 0:
+            return
+        with t.lock:
+            t.check_open()  # closed while waiting for the lock?
+            update.apply_gradients(t, checked, g, keys, self._config.reject_nonfinite)
 
     def apply_gradients_many(self, updates: Mapping[str, tuple[Any, torch.Tensor]]) -> None:
         """Apply gradients to several tables: ``{table: (keys [n], grads [n, dim])}``.
@@ -369,7 +378,7 @@ class EmbeddingCache:
         Raises:
             The errors of :meth:`apply_gradients`.
         """
-        self._write(updates, self._checked_gradients, update.apply_gradients)
+        self._write(updates, self._checked_gradients, update.apply_gradients)  # each table checked first
 
     def assign(self, table: str, keys: Any, rows: torch.Tensor) -> None:
         """Overwrite the rows of ``keys`` and reset their optimizer state; the last duplicate wins.
@@ -383,7 +392,7 @@ class EmbeddingCache:
             UnknownTableError, InvalidKeysError, InvalidRowsError, BatchTooLargeError,
             CacheClosedError, StoreError (nothing changed).
         """
-        self._write({table: (keys, rows)}, self._checked_rows, update.assign)
+        self._write({table: (keys, rows)}, self._checked_rows, _assign)
 
     def assign_many(self, updates: Mapping[str, tuple[Any, torch.Tensor]]) -> None:
         """Assign rows of several tables: ``{table: (keys [n], rows [n, dim])}``.
@@ -393,7 +402,7 @@ class EmbeddingCache:
         Raises:
             The errors of :meth:`assign`.
         """
-        self._write(updates, self._checked_rows, update.assign)
+        self._write(updates, self._checked_rows, _assign)
 
     # ------------------------------------------------------------------ passes and prefetch
     def prefetch(self, keysets: Mapping[str, Any]) -> PrefetchFuture:

@@ -90,6 +90,7 @@ _LINE = 16  # float32 values per 64-byte cache line
 
 
 _F32 = np.float32
+_EXPONENT = np.int32(0x7F800000)  # float32 exponent bits: all set in NaN and inf alone
 
 
 def _sum_squares_py(x: Any) -> Any:
@@ -98,6 +99,17 @@ def _sum_squares_py(x: Any) -> Any:
     for j in range(x.shape[0]):
         acc += x[j] * x[j]
     return acc
+
+
+def _nonfinite_py(x: Any) -> Any:
+    """Whether any value of the float32 array ``x`` (C-contiguous) is NaN or inf: its exponent bits
+    all set. On the bits as int32, whose max reduction vectorizes without fast-math (with it, LLVM
+    folds float tests such as ``v - v != 0`` away)."""
+    bits = x.reshape(x.size).view(np.int32)
+    top = np.int32(0)
+    for j in range(bits.shape[0]):
+        top = max(top, bits[j] & _EXPONENT)
+    return top == _EXPONENT
 
 
 def _fma_py(a: Any, b: Any, c: Any) -> Any:
@@ -113,12 +125,14 @@ def _prefetch_py(tab: Any, i: Any, k: Any) -> None:
 _fma: Any = _fma_py
 _prefetch: Any = _prefetch_py
 _sum_squares: Any = _sum_squares_py
+_nonfinite: Any = _nonfinite_py
 
 
 def _kernel_py(opt: int, weights: Any, state: Any, flags: Any, dirty: Any, slots: Any, grads: Any,  # pragma: no cover
                table: Any, shift: Any, uslots: Any, gsum: Any, lr: float, eps: float, beta1: float,
-               beta2: float, wd: float) -> int:
-    """The fused update (see the module docstring); returns the number of unique rows."""
+               beta2: float, wd: float, check: bool) -> int:
+    """The fused update (see the module docstring); returns the number of unique rows, or -1
+    (nothing changed) when ``check`` and a gradient is NaN or inf."""
     n, d = grads.shape
     lr32, eps32, wd32 = _F32(lr), _F32(eps), _F32(wd)
     neg_lr32 = _F32(-lr)
@@ -126,6 +140,8 @@ def _kernel_py(opt: int, weights: Any, state: Any, flags: Any, dirty: Any, slots
     mask = table.shape[0] - 1
     for h in range(mask + 1):
         table[h] = -1
+    if check and _nonfinite(grads):
+        return -1  # refused before anything changes
     u = 0
     for i in range(n):  # 1. unique rows and summed gradients, in batch order
         s = slots[i]
@@ -210,7 +226,7 @@ def _segment_sum_py(grads: Any, index: Any, out: Any) -> None:  # pragma: no cov
 
 
 def _build() -> Any:
-    global _fma, _prefetch, _sum_squares
+    global _fma, _prefetch, _sum_squares, _nonfinite
     import numba
 
     _fma, _prefetch = _fma_intrinsic(), _prefetch_intrinsic()
@@ -218,6 +234,7 @@ def _build() -> Any:
     # A call, not inline="always": numba inlines in its own IR, where the caller's strict flags
     # then apply, and the sum ran serially (8,192 rows of 64: 0.26 ms inlined, 0.035 ms called).
     _sum_squares = numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})(_sum_squares_py)
+    _nonfinite = numba.njit(nogil=True, cache=True)(_nonfinite_py)
     _KERNEL["segment_sum"] = numba.njit(nogil=True, cache=True)(_segment_sum_py)
     return numba.njit(nogil=True, cache=True)(_kernel_py)
 
@@ -257,8 +274,10 @@ class FusedScratch:
 
 def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor, state: torch.Tensor,
                  flags: torch.Tensor, dirty: int, slots: torch.Tensor, grads: torch.Tensor,
-                 scratch: FusedScratch) -> int:
-    """Apply one optimizer step in place to the rows at ``slots``; returns the number of unique rows.
+                 scratch: FusedScratch, check_finite: bool = False) -> int:
+    """Apply one optimizer step in place to the rows at ``slots``; returns the number of unique rows,
+    or -1 when ``check_finite`` and a gradient is NaN or inf (then nothing changed: the kernel's
+    first pass, which reads every gradient, checks them before its second writes any row).
 
     Args:
         optimizer: one of OPTIMIZERS.
@@ -270,6 +289,7 @@ def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor,
         grads: float32 [n, dim] gradient of each key (CPU).
         dirty: the bit that marks a row dirty in ``flags``.
         scratch: the tier's :class:`FusedScratch`.
+        check_finite: refuse NaN and inf gradients (return -1, nothing changed).
 
     Raises:
         RuntimeError: if the kernel is not available (check :func:`fused_available` first).
@@ -285,7 +305,8 @@ def fused_update(optimizer: str, params: OptimizerParams, weights: torch.Tensor,
     flags2 = flags.numpy().reshape(-1, 1)  # 2-D for the prefetch intrinsic
     return int(kernel(OPTIMIZERS.index(optimizer), weights.numpy(), state.numpy(), flags2, np.int32(dirty),
                       slots.contiguous().numpy(), grads.contiguous().numpy(), table, shift, uslots, gsum,
-                      params.lr, params.eps, params.beta1, params.beta2, params.weight_decay))
+                      params.lr, params.eps, params.beta1, params.beta2, params.weight_decay,
+                      bool(check_finite)))
 
 
 def segment_sum(grads: torch.Tensor, index: torch.Tensor, n_out: int) -> torch.Tensor:

@@ -181,10 +181,12 @@ class MemoryTier:
         # (every read is a gather first), so pinning it only locked memory, rounded up to a power
         # of two by torch's pinned allocator (up to 2x ``ddr_bytes``) and committed all of it at once.
         self.pinned_reads = pinned_reads and device.type == "cpu" and torch.cuda.is_available()
+        self.placement = 0  # bumped before every change of which key is in which slot
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
         device = self.device
+        self._placed()
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             # The arrays that lookups and evictions read at random: on huge pages in host memory
@@ -209,6 +211,11 @@ class MemoryTier:
         self._fused_scratch: FusedScratch | None = None
         self._free = _free_stack(capacity, device)
         self._n_free = capacity
+
+    def _placed(self) -> None:
+        # Which key is in which slot changed (insert, remove, clear, a new allocation): what
+        # remembers slots across calls (engine/found.py) compares this version.
+        self.placement += 1
 
     def release(self) -> None:
         """Give this tier's memory back now (a resize replaced it, or the cache closed): every array
@@ -346,6 +353,7 @@ class MemoryTier:
             raise RuntimeError(f"{self.tier.value} tier: {n} rows do not fit in {self._n_free} free slots")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
+        self._placed()  # first: a failure half-way must not leave remembered slots valid
         slots = self._free[self._n_free - n:self._n_free].to(torch.int64)
         self._n_free -= n
         rows = rows.to(self.device)
@@ -360,6 +368,7 @@ class MemoryTier:
         """Free the (unique, occupied) ``slots``; their rows are gone from this tier."""
         if slots.numel() == 0:
             return
+        self._placed()
         slots = to_device(slots, self.device)
         self.index.erase(self.keys.index_select(0, slots))
         self.flags.index_fill_(0, slots, 0)
@@ -395,6 +404,7 @@ class MemoryTier:
 
     def clear(self) -> None:
         """Drop every row (the caller has written dirty ones back)."""
+        self._placed()
         self.index.clear()
         self.flags.zero_()
         self._free = _free_stack(self.capacity, self.device)

@@ -83,3 +83,26 @@ def test_segment_sum_is_index_add_bit_for_bit() -> None:
     grads = torch.randn(500, 16, generator=gen) * torch.logspace(-6, 6, 500).unsqueeze(1)  # rounding shows
     index = torch.randint(0, 40, (500,), generator=gen)
     assert torch.equal(segment_sum(grads, index, 45), torch.zeros(45, 16).index_add_(0, index, grads))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), "big"])
+def test_fused_update_refuses_nonfinite_gradients_before_any_change(optimizer: str, bad: float | str) -> None:
+    # check_finite: any NaN or inf, wherever it is, returns -1 with weights, state and flags as
+    # they were; finite values of any size (3e38, whose sum overflows) are updated as without it.
+    gen = torch.Generator().manual_seed(1)
+    dim, capacity, n = 33, 40, 200  # 200 x 33 values: not a multiple of a vector's width
+    weights, state = torch.randn(capacity, dim, generator=gen), torch.rand(capacity, state_width(optimizer, dim))
+    flags = torch.zeros(capacity, dtype=torch.int32)
+    params = OptimizerParams(lr=0.05, eps=1e-8, beta1=0.9, beta2=0.999)
+    slots, grads = torch.randint(0, capacity, (n,), generator=gen), torch.randn(n, dim, generator=gen)
+    before = (weights.clone(), state.clone(), flags.clone())
+    for at in ((0, 0), (n // 2, 7), (n - 1, dim - 1)):
+        g = grads.clone()
+        g[at] = 3e38 if bad == "big" else float(bad)
+        got = fused_update(optimizer, params, weights, state, flags, DIRTY, slots, g, FusedScratch(), check_finite=True)
+        if bad == "big":
+            assert got == torch.unique(slots).numel()
+            return
+        assert got == -1
+        assert torch.equal(weights, before[0]) and torch.equal(state, before[1]) and torch.equal(flags, before[2])

@@ -40,6 +40,7 @@ from ..tier import MemoryTier, RowBatch, ScoreOf, release_cached_memory, to_devi
 from ..types import Tier
 from ..validate import check_open
 from . import admission, expiry, placement
+from .found import FoundSlots
 from .lock import TableLock
 from .rows import (
     Read,
@@ -88,6 +89,7 @@ class TableEngine:
         self.closed = False  # set by the cache when it closes; checked under the lock
         self.state_width = state_width(cfg.optimizer, cfg.dim)
         self.hbm, self.ddr = self._tiers(hbm_rows, ddr_rows)
+        self.found = FoundSlots()  # the slots of the last all-HBM lookup, for the update after it
         memory_rows = hbm_rows + ddr_rows
         halflife = config.halflife if config.halflife is not None else default_halflife(memory_rows)
         self.clock = Clock(halflife if policy.aging else math.inf)
@@ -224,14 +226,20 @@ class TableEngine:
         self.sketch.scale(factor)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, given: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rows of ``keys`` (on the cache's device; ``given``: as the caller gave them) into ``out``."""
+    def lookup(self, given: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, raw: object = None) -> torch.Tensor:
+        """Rows of ``keys`` (on the cache's device; ``given``: as the caller gave them, checked) into
+        ``out``; ``raw``: the caller's own keys object, by which an update of the same keys finds
+        the slots found here (:class:`~embcache.engine.found.FoundSlots`)."""
         n = keys.numel()
         t0 = time.perf_counter()
         now, inc = self.clock.now, self.clock.increment()
         # probe, count the hits and their accesses, copy their rows into out: one pass
         slots, n_hit = self.hbm.find_touch_gather(keys, inc, now, out)
         self.stats.hbm.seconds += time.perf_counter() - t0
+        if n_hit == n:
+            self.found.remember(raw, self.hbm, slots)
+        else:
+            self.found.forget()
         if n_hit < n and self.device.type == "cpu":
             miss_pos = torch.nonzero(slots < 0).flatten()
             ukeys, inverse, counts = torch.unique(keys.index_select(0, miss_pos), return_inverse=True,

@@ -15,53 +15,59 @@ from ..fused import fused_available, fused_update
 from ..optim import apply_update, initial_state
 from ..rounding import to_storage
 from ..tier import DIRTY, to_device
-from ..validate import nonfinite_gradients
+from ..validate import all_finite, nonfinite_gradients
 from .expiry import touch_resident
 
 if TYPE_CHECKING:
     from .table import TableEngine
 
-__all__ = ["apply_finite_gradients", "apply_gradients", "assign", "segment_sum"]
+__all__ = ["apply_gradients", "assign", "segment_sum"]
 
 
-def apply_finite_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor) -> None:
-    """:func:`apply_gradients` of gradients not yet checked to be finite: checked before any change."""
-    apply_gradients(t, keys, grads, finite=torch.isfinite(grads.sum()))
-
-
-def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor,
-                    finite: torch.Tensor | None = None) -> None:
+def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor, given: object = None,
+                    check_finite: bool = False) -> None:
     """Apply ``t``'s optimizer to the rows of ``keys`` (checked, on the cache's device; lock held).
 
     Args:
-        finite: a 0-dim bool tensor on the device, whether the gradients are finite, not read yet:
-            on a GPU it is read back with the check of which rows are in HBM (one host sync for
-            both), and NonFiniteGradientError is raised before anything changes.
+        given: the caller's own keys object: where the table's last lookup was given the same
+            tensor, unchanged, and found every key in HBM, its slots are reused (no probe; see
+            :class:`~embcache.engine.found.FoundSlots`).
+        check_finite: refuse NaN or inf gradients (NonFiniteGradientError) before anything
+            changes: on the CPU's fused path inside the kernel's first pass, which reads every
+            gradient anyway; on a GPU read back with the check of which rows are in HBM (one
+            host sync for both); elsewhere with :func:`~embcache.validate.all_finite` first.
     """
     hbm = t.hbm
-    if finite is not None and t.device.type != "cuda" and not bool(finite):
-        raise nonfinite_gradients(t.cfg.name)
+    found = t.found.recall(given, hbm)
+    cuda = t.device.type == "cuda"
     if hbm.capacity and fused_available(hbm.weights):
         # CPU: probe every key (no sort); when all are in HBM (a pass's steady state), one
         # fused kernel dedups, sums and updates in place (embcache/fused.py)
-        slots = hbm.find(keys)
-        if bool((slots >= 0).all()):
-            fused_update(t.cfg.optimizer, t.params, hbm.weights, hbm.state, hbm.flags, DIRTY, slots,
-                         grads.to(torch.float32), hbm.fused_scratch())
+        slots = hbm.find(keys) if found is None else found
+        if found is not None or bool((slots >= 0).all()):
+            if fused_update(t.cfg.optimizer, t.params, hbm.weights, hbm.state, hbm.flags, DIRTY, slots,
+                            grads.to(torch.float32), hbm.fused_scratch(), check_finite=check_finite) < 0:
+                raise nonfinite_gradients(t.cfg.name)
             touch_resident(t, hbm, slots)
             t.stats.updates += keys.numel()
             t.update_steps += 1
             return
-    if t.device.type == "cpu":
+    if check_finite and not cuda and not all_finite(grads):
+        raise nonfinite_gradients(t.cfg.name)
+    if not cuda:
         ukeys, inverse = torch.unique(keys, return_inverse=True)
         gsum = torch.zeros(ukeys.numel(), t.cfg.dim, dtype=torch.float32, device=t.device)
         gsum.index_add_(0, inverse, grads)
     else:  # no atomics: the same sums on every run (see segment_sum)
         ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
         gsum = segment_sum(grads, inverse, counts)
-    hslots = hbm.find(ukeys)
+    if found is None:
+        hslots = hbm.find(ukeys)
+    else:  # each unique key's slot from any of its positions (all hold the same slot)
+        hslots = torch.empty_like(ukeys).scatter_(0, inverse, found)
     all_in_hbm = (hslots >= 0).all()
-    if finite is not None and t.device.type == "cuda":
+    if check_finite and cuda:
+        finite = torch.isfinite(grads.sum())
         ok, hit = torch.stack([finite, all_in_hbm]).tolist()  # one host sync for both
         if not ok:
             raise nonfinite_gradients(t.cfg.name)
