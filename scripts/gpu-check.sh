@@ -7,7 +7,9 @@
 #      counted through torch's sync debug mode; tests/test_gpu_real.py: autograd, streams, memory, bits).
 # Logs and results go to $OUT (default ./gpu-check-out). Wheels in .whl/ (for a machine that cannot reach
 # a package index) are installed to /tmp/site first; SKIP_BENCH=1 leaves out bench_gpu. Where only a few
-# files may come back, write elsewhere and pack them: R=$OUT; OUT=/tmp/gc bash scripts/gpu-check.sh; tar czf $R/gc.tgz -C /tmp/gc . Usage: bash scripts/gpu-check.sh [TEST_SECONDS [DEMO_SECONDS]]
+# files may come back, write elsewhere and pack them:
+#   R=$OUT; OUT=/tmp/gc bash scripts/gpu-check.sh; tar czf $R/gc.tgz -C /tmp/gc .
+# Usage: bash scripts/gpu-check.sh [TEST_SECONDS [DEMO_SECONDS]]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-check-out}"
