@@ -54,7 +54,7 @@ def apply_gradients(t: TableEngine, keys: torch.Tensor, grads: torch.Tensor, giv
             return
     if check_finite and not cuda and not all_finite(grads):
         raise nonfinite_gradients(t.cfg.name)
-    if not cuda:
+    if t.device.type == "cpu":
         ukeys, inverse = torch.unique(keys, return_inverse=True)
         gsum = torch.zeros(ukeys.numel(), t.cfg.dim, dtype=torch.float32, device=t.device)
         gsum.index_add_(0, inverse, grads)
