@@ -47,6 +47,9 @@ class SyncCount:
 def count_syncs(all_threads: bool = False) -> Iterator[SyncCount]:
     """Count the host syncs made inside the block, by this thread (or by every thread).
 
+    One window at a time in a process (torch's debug mode is process-wide): a window opened
+    inside another, or on another thread meanwhile, waits for the first to close.
+
     Args:
         all_threads: count syncs made by other threads during the block too (the cache's
             prefetch worker, say); by default only the calling thread's.
