@@ -179,8 +179,12 @@ def pipelined(fn: Callable[[int], object], calls: int, batch: int, sync: Callabl
             "issue_share": issued / total}
 
 
-def syncs_of(call: Callable[[], object], sync: Callable[[], None]) -> dict[str, Any]:
-    """The host syncs of one ``call()``: count and where (None off CUDA)."""
+def syncs_of(call: Callable[[], object], sync: Callable[[], None], device: torch.device) -> dict[str, Any]:
+    """The host syncs of one ``call()`` on ``device``: count and where (None off CUDA, where a machine with a
+    GPU would count a CPU cache's calls as making none)."""
+    if device.type != "cuda":
+        call()
+        return {"available": False, "count": None, "where": []}
     sync()
     with count_syncs() as seen:
         call()
@@ -188,10 +192,10 @@ def syncs_of(call: Callable[[], object], sync: Callable[[], None]) -> dict[str, 
     return {"available": seen.available, "count": len(seen) if seen.available else None, "where": seen.where}
 
 
-def syncs_of_one_call(fn: Callable[[int], object], sync: Callable[[], None]) -> dict[str, Any]:
+def syncs_of_one_call(fn: Callable[[int], object], sync: Callable[[], None], device: torch.device) -> dict[str, Any]:
     """The host syncs of one call ``fn(0)``, after a warm-up call of the same batch (all hits stay all hits)."""
     fn(0)
-    return syncs_of(lambda: fn(0), sync)
+    return syncs_of(lambda: fn(0), sync, device)
 
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -325,7 +329,8 @@ def hit_phases(ph: Phases, out: dict[str, Any], rows: int, batch: int, reps: int
 
         def syncs() -> None:
             for trace_name, fns in calls.items():
-                traces.setdefault(trace_name, {})["syncs"] = {op: syncs_of_one_call(fn, sync) for op, fn in fns.items()}
+                traces.setdefault(trace_name, {})["syncs"] = {op: syncs_of_one_call(fn, sync, device)
+                                                              for op, fn in fns.items()}
 
         ph.run("all-hit syncs per call", syncs)
 
@@ -381,8 +386,8 @@ def miss_phases(ph: Phases, out: dict[str, Any], miss_rows: int, batch: int, rep
         fresh = ids.to(device)[zipf_positions(2 * batch, miss_rows, rng).to(device)].view(2, batch)
 
         def syncs() -> None:
-            miss["syncs"] = {"lookup": syncs_of(lambda: cache.lookup(TABLE, fresh[0], out=buf), sync),
-                             "update": syncs_of(lambda: cache.apply_gradients(TABLE, fresh[1], grads), sync)}
+            miss["syncs"] = {"lookup": syncs_of(lambda: cache.lookup(TABLE, fresh[0], out=buf), sync, device),
+                             "update": syncs_of(lambda: cache.apply_gradients(TABLE, fresh[1], grads), sync, device)}
 
         ph.run("miss syncs per call", syncs)
 

@@ -6,8 +6,8 @@
 #   3. the test suite on the real device (tests/realcuda.py: the CUDA fixtures run on the GPU, host syncs
 #      counted through torch's sync debug mode; tests/test_gpu_real.py: autograd, streams, memory, bits).
 # Logs and results go to $OUT (default ./gpu-check-out). Wheels in .whl/ (for a machine that cannot reach
-# a package index) are installed to /tmp/site first; SKIP_BENCH=1 leaves out bench_gpu. Where only a few
-# files may come back, write elsewhere and pack them:
+# a package index) are installed first; SKIP_BENCH=1 leaves out bench_gpu. Where only a few
+# files may come back, write elsewhere and pack them (SKIP_DEMO=1 leaves out the main job):
 #   R=$OUT; OUT=/tmp/gc bash scripts/gpu-check.sh; tar czf $R/gc.tgz -C /tmp/gc .
 # Usage: bash scripts/gpu-check.sh [TEST_SECONDS [DEMO_SECONDS]]
 set -uo pipefail
@@ -19,8 +19,11 @@ test_s="${1:-200}"
 demo_s="${2:-150}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 if compgen -G ".whl/*.whl" >/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="/tmp/site:$PWD"
+    # into the interpreter's own environment, so that the tests' subprocesses (which set PYTHONPATH
+    # themselves) import them too; into /tmp/site where that environment is read-only
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl \
+        || { "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                 .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD"; }
 fi
 {
     date -u
@@ -41,6 +44,7 @@ fi
 echo "== host syncs per public call"
 timeout 60 "$py" bench/syncs_per_call.py --out "$out" 2>&1 | tee "$out/syncs.log"
 
+if [ -z "${SKIP_DEMO:-}" ]; then
 echo "== demo"
 # alone: its torch threads and the test workers' would oversubscribe the cores; SIGABRT at the limit makes
 # faulthandler print every thread's stack, so a hang shows where it waits
@@ -48,6 +52,7 @@ t0=$SECONDS
 PYTHONFAULTHANDLER=1 timeout -s ABRT "$demo_s" "$py" -m examples.dlrm --json "$out/demo.json" >"$out/demo.log" 2>&1
 echo "demo rc=$? in $((SECONDS - t0)) s" >>"$out/demo.log"
 tr '\r' '\n' <"$out/demo.log" | grep -v "^train:\|^eval:\|^data:\|^keysets" | tail -n 40
+fi
 
 echo "== tests"
 # -o addopts= drops the project's -q (it cancels -v); SIGINT at the limit lets pytest write its summary and the

@@ -488,12 +488,13 @@ def test_torch_index_gpu_insert_and_erase_sync_once_and_match_the_cpu_path() -> 
     with cuda_or_stand_in() as fc:
         gpu = TorchIndex(4000, "cuda")
         for op in ("insert", "erase", "insert"):
+            k = keys if gpu._len == 0 else keys[::3]
+            k, v = k.cuda(), torch.arange(k.numel()).cuda()  # outside the window: a pageable copy is a sync
             with fc.count() as c:
                 if op == "insert":
-                    k = keys if gpu._len == 0 else keys[::3]
-                    gpu.insert(k.cuda(), torch.arange(k.numel()).cuda())
+                    gpu.insert(k, v)
                 else:
-                    gpu.erase(keys[::3].cuda())
+                    gpu.erase(k)
             assert len(c.syncs) == 1, (op, c.syncs)
         assert len(gpu) == len(cpu) == keys.numel()
         for name in ("_keys", "_slots"):

@@ -634,7 +634,8 @@ def test_no_grad_and_eval_look_up_but_apply_nothing(make_cache: Any) -> None:
     head(out).sum().backward()  # the dense part still trains; the embedding rows do not
     psw = torch.ones(4, requires_grad=True)
     bag(input, offsets, per_sample_weights=psw).sum().backward()  # eval: per-sample weights still get gradients
-    assert psw.grad is not None and torch.equal(psw.grad, before[[1, 2, 3, 3]].sum(1))
+    assert psw.grad is not None  # a dot product per bag: summed in another order than sum(1) on some CPUs
+    torch.testing.assert_close(psw.grad, before[[1, 2, 3, 3]].sum(1))
     assert torch.equal(rows_of(cache), before)
     assert cache.stats()["t"]["lookups"] > lookups  # the lookups did happen
     assert counting.calls["apply_gradients"] == 0

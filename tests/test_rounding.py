@@ -145,7 +145,7 @@ def _train(tmp: Path, cfg: TableConfig, hbm_rows: int, ddr_rows: int,
                 cache = EmbeddingCache(config)
             cache.lookup(cfg.name, k)
             cache.apply_gradients(cfg.name, k, g)
-        return cache.lookup(cfg.name, torch.arange(KEYS)).to(cfg.torch_dtype)
+        return cache.lookup(cfg.name, torch.arange(KEYS)).to("cpu", cfg.torch_dtype)
     finally:
         cache.close()
 
@@ -187,6 +187,7 @@ def test_bfloat16_training_tracks_float32_more_closely_with_stochastic_rounding(
     keys = torch.arange(128)
     target = torch.randn(128, DIM, generator=torch.Generator().manual_seed(0)) * 2
     with EmbeddingCache(CacheConfig(hbm_bytes=1 << 20, ddr_bytes=0, path=str(tmp_path)), tables) as cache:
+        target = target.to(cache.device)  # the hot tier's device: CUDA where there is one
         for _ in range(200):
             for t in tables:
                 cache.apply_gradients(t.name, keys, cache.lookup(t.name, keys) - target)

@@ -314,9 +314,9 @@ def test_engine_lookups_create_no_rows_and_refresh_keeps_rows_resident(tmp_path:
         rows = torch.randn(10, 4)
         for t in ("z", "i"):
             cache.import_rows(t, stored, rows.numpy().view(np.uint8))
-        assert torch.equal(cache.lookup("z", stored), rows)
+        assert torch.equal(cache.lookup("z", stored).cpu(), rows)
         unknown = torch.arange(100, 110)
-        assert torch.equal(cache.lookup("z", unknown), torch.zeros(10, 4))
+        assert torch.equal(cache.lookup("z", unknown).cpu(), torch.zeros(10, 4))
         with EmbeddingCache(CacheConfig(path=str(tmp_path / "ref"), hbm_bytes=4000, ddr_bytes=4000),
                             [TableConfig(name="i", dim=4, seed=5)]) as ref:
             assert torch.equal(cache.lookup("i", unknown), ref.lookup("i", unknown))  # the initializer's rows
@@ -326,7 +326,7 @@ def test_engine_lookups_create_no_rows_and_refresh_keeps_rows_resident(tmp_path:
         assert np.isin(stored.numpy(), cache.resident_keys("z", "hbm").numpy()).all()
         cache.import_rows("z", stored[:4], (rows[:4] + 1).numpy().view(np.uint8), refresh=True)
         assert np.isin(stored.numpy(), cache.resident_keys("z", "hbm").numpy()).all()  # still resident
-        assert torch.equal(cache.lookup("z", stored[:4]), rows[:4] + 1)
+        assert torch.equal(cache.lookup("z", stored[:4]).cpu(), rows[:4] + 1)
         cache.flush()
         assert cache.stats()["z"]["ssd"]["write_rows"] == 0  # refreshed rows are clean: nothing written back
 
@@ -391,10 +391,10 @@ def test_a_missing_version_is_reported_once_and_applied_when_it_appears(tmp_path
         write_version(export, 3, "delta", part(3.0), base_version=2)  # version 2 not there (yet)
         assert model.poll() == 0 and model.poll() == 0
         assert (model.version, model.errors) == (1, 1)
-        assert torch.equal(cache.lookup("t", torch.arange(4)), torch.ones(4, 2))
+        assert torch.equal(cache.lookup("t", torch.arange(4)).cpu(), torch.ones(4, 2))
         write_version(export, 2, "delta", part(2.0), base_version=1)
         assert model.poll() == 2 and (model.version, model.errors) == (3, 1)
-        assert torch.equal(cache.lookup("t", torch.arange(4)), torch.full((4, 2), 3.0))
+        assert torch.equal(cache.lookup("t", torch.arange(4)).cpu(), torch.full((4, 2), 3.0))
 
 
 def test_a_serving_server_follows_a_caches_own_delta_exports(tmp_path: Path,

@@ -171,12 +171,22 @@ def test_a_fused_update_right_after_an_eviction_sample_sums_duplicates_right() -
         assert tier.dirty_at(slots[:10]).all() and not tier.dirty_at(slots[10:]).any()
 
 
-def test_the_gpu_path_of_the_eviction_sample_picks_the_victims_the_cpu_kernel_picks(fakecuda: Any) -> None:
+def test_the_gpu_path_of_the_eviction_sample_picks_the_victims_the_cpu_kernel_picks(fakecuda: Any,
+                                                                                     monkeypatch: Any) -> None:
     # On "cuda" the sample's filter is torch operations (sort, searchsorted); on the CPU a compiled
     # kernel. The same draws (same seed) must give the same victims, with no host sync in the
     # filter beyond the final selection's.
     n, cap = 3000, 4096
     victims = []
+    if not fakecuda.stand_in:  # a real GPU's generator draws other numbers from the same seed: draw on the host
+        host_randint = torch.randint
+
+        def randint(low: int, high: int, size: tuple[int, ...], *, device: Any = None,
+                    generator: Any = None) -> torch.Tensor:
+            drawn = host_randint(low, high, size, generator=torch.Generator().manual_seed(generator.initial_seed()))
+            return drawn.pin_memory().to(device, non_blocking=True)  # from pinned memory: no sync
+
+        monkeypatch.setattr(torch, "randint", randint)
     for device in ("cpu", "cuda"):
         tier = MemoryTier(Tier.HBM, cap, 4, 1, torch.float32, torch.device(device))
         freq = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
