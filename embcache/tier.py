@@ -342,6 +342,15 @@ class MemoryTier:
         self.state[slots] = to_device(state, self.device)
         self.set_dirty(slots, True)
 
+    def fill(self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
+        """Set weights and state of resident rows at ``slots`` without marking them dirty (the
+        values that rows inserted ahead of them, as placeholders, have in the store)."""
+        if slots.numel() == 0:
+            return
+        slots = to_device(slots, self.device)
+        self.weights.index_copy_(0, slots, to_device(weights.to(self.weights.dtype), self.device))
+        self.state.index_copy_(0, slots, to_device(state, self.device))
+
     def insert(self, rows: RowBatch) -> torch.Tensor:
         """Place ``rows`` (keys unique and absent) in free slots; returns their slots.
 

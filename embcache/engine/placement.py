@@ -80,31 +80,39 @@ def forget_leaving(t: TableEngine, keys: torch.Tensor, freq: torch.Tensor) -> No
 def commit(t: TableEngine, plan: Plan, read: StagedRead | None = None) -> RowBatch:
     """Carry ``plan`` out (lock held); ``read``: the staged rows' values, still being read.
 
+    With ``read``, every move is made while the read runs (the staged rows enter their slots with
+    their metadata, placeholder values), and only their values are copied in once it is done: the
+    work after the read, which nothing overlaps, is that copy. A failed read takes the staged rows
+    out of the tiers again; the other moves stand (rows that left memory were written first).
+
     Returns:
         The staged rows that stayed out of memory (copies).
 
     Raises:
-        StoreError: writing back the rows that leave memory, or ``read``, failed; nothing moved.
+        StoreError: writing back the rows that leave memory, or ``read``, failed. A failed write
+            moves nothing.
     """
     if read is not None and bool(plan.staged.dirty.any()):
         raise RuntimeError("rows still being read cannot be dirty")  # a bug in the planner's caller
+    staged = plan.staged
     dv = t.ddr.read(plan.ddr_victims)
     d_out = plan.demoted.select(plan.demoted_out)
     if read is None:
-        s_out = plan.staged.select(plan.staged_out)
-        write_leaving(t, RowBatch.cat([dv, d_out, s_out]))
+        write_leaving(t, RowBatch.cat([dv, d_out, staged.select(plan.staged_out)]))
     else:  # rows still being read are clean: they need no write
         write_leaving(t, RowBatch.cat([dv, d_out]))
-        t.complete(read)  # the staged rows' values: the read ran while the caller planned
-        s_out = plan.staged.select(plan.staged_out)
-        expiry.write_leaving_touches(t, s_out)  # looked up, staying out: touched
-    staged = plan.staged
     p_rows = t.ddr.read(plan.up)
     t.hbm.remove(plan.hbm_victims)
     t.ddr.remove(torch.cat([plan.up, plan.ddr_victims]))
-    t.hbm.insert(RowBatch.cat([p_rows, staged.select(plan.staged_up)]))
-    t.ddr.insert(_take(plan.demoted, staged, plan.into_ddr))
-    forget_leaving(t, torch.cat([dv.keys, d_out.keys, s_out.keys]), torch.cat([dv.freq, d_out.freq, s_out.freq]))
+    h_slots = t.hbm.insert(RowBatch.cat([p_rows, staged.select(plan.staged_up)]))
+    d_slots = t.ddr.insert(_take(plan.demoted, staged, plan.into_ddr))
+    out_keys, out_freq = staged.keys.index_select(0, plan.staged_out), staged.freq.index_select(0, plan.staged_out)
+    forget_leaving(t, torch.cat([dv.keys, d_out.keys, out_keys]), torch.cat([dv.freq, d_out.freq, out_freq]))
+    if read is not None:
+        _fill_staged(t, plan, read, h_slots[len(p_rows):], d_slots)
+    s_out = staged.select(plan.staged_out)
+    if read is not None:
+        expiry.write_leaving_touches(t, s_out)  # looked up, staying out: touched
     st = t.stats
     st.hbm.promotions += plan.up.numel() + plan.staged_up.numel()
     st.hbm.demotions += len(plan.demoted)
@@ -113,6 +121,23 @@ def commit(t: TableEngine, plan: Plan, read: StagedRead | None = None) -> RowBat
     st.ddr.demotions += len(dv)
     st.ddr.write_backs += int(dv.dirty.sum())
     return s_out
+
+
+def _fill_staged(t: TableEngine, plan: Plan, read: StagedRead, h_slots: torch.Tensor, d_slots: torch.Tensor) -> None:
+    """Wait for ``read`` and copy the staged rows' values into the slots they entered (``h_slots``:
+    those of ``plan.staged_up``; ``d_slots``: of ``plan.into_ddr``); a failed read takes them out."""
+    from_staged = plan.into_ddr >= len(plan.demoted)
+    d_staged = d_slots.index_select(0, to_device(torch.nonzero(from_staged).flatten(), d_slots.device))
+    try:
+        t.complete(read)  # the staged rows' values: the read ran while the caller planned and moved
+    except BaseException:
+        t.hbm.remove(h_slots)
+        t.ddr.remove(d_staged)
+        raise
+    staged = plan.staged
+    t.hbm.fill(h_slots, staged.weights.index_select(0, plan.staged_up), staged.state.index_select(0, plan.staged_up))
+    into = plan.into_ddr[from_staged] - len(plan.demoted)
+    t.ddr.fill(d_staged, staged.weights.index_select(0, into), staged.state.index_select(0, into))
 
 
 def _take(demoted: RowBatch, staged: RowBatch, index: torch.Tensor) -> RowBatch:

@@ -286,10 +286,17 @@ class TableEngine:
             self.stats.outside_keyset += int(cpu_counts[~self.pass_keyset.contains(cpu_keys)].sum())
         dslots = self.ddr.find(cpu_keys)
         in_ddr = dslots >= 0
+        d_pos = torch.nonzero(in_ddr).flatten()
+        s_pos = torch.nonzero(~in_ddr).flatten()
+        s_keys, s_counts = cpu_keys.index_select(0, s_pos), cpu_counts.index_select(0, s_pos)
+        overlap = self.admission is None and not self.stored_only and s_keys.numel() >= _OVERLAP_READ_MIN
+        # The store read runs on a reader thread (the store bindings release the GIL), started
+        # first: this one copies the DDR hits, plans the placement and makes the moves meanwhile,
+        # which need the rows' keys and counts but not their values (placement.commit).
+        future = self.readers.submit(self.rows, s_keys) if overlap else None
         values = torch.empty(ukeys.numel(), self.cfg.dim, dtype=torch.float32,
                              pin_memory=self.device.type == "cuda")
         d_hits = 0  # counted once the lookup cannot fail any more (a failed one counts no hits)
-        d_pos = torch.nonzero(in_ddr).flatten()
         d_slots = dslots.index_select(0, d_pos)
         if d_slots.numel():
             values.index_copy_(0, d_pos, self.ddr.weights.index_select(0, d_slots).to(torch.float32))
@@ -297,20 +304,16 @@ class TableEngine:
             self.ddr.touch(d_slots, d_counts.to(torch.float64) * inc, now)
             d_hits = int(d_counts.sum())
         self.stats.ddr.seconds += time.perf_counter() - t1
-        s_pos = torch.nonzero(~in_ddr).flatten()
-        s_keys, s_counts = cpu_keys.index_select(0, s_pos), cpu_counts.index_select(0, s_pos)
         read: StagedRead | None = None
         s_values: torch.Tensor | None = None  # the rows returned for s_keys, where not the staged ones
-        if (self.admission is not None or self.stored_only) and s_keys.numel():
-            staged, s_values = admission.stage_admitting(self, s_keys, s_counts, inc, now)
-        elif s_keys.numel() >= _OVERLAP_READ_MIN:
-            # The store read runs on a reader thread (the store bindings release the GIL) while
-            # this one plans the placement, which needs the rows' keys and counts but not their
-            # values; the commit waits for the read only before it moves rows.
-            future = self.readers.submit(self.rows, s_keys)
-            staged = self.stage_meta(s_keys, s_counts, inc, now, torch.empty(s_keys.numel(), 0),
-                                     torch.empty(s_keys.numel(), 0))
+        if future is not None:
+            n_s = s_keys.numel()  # placeholder values until the read is done
+            staged = self.stage_meta(s_keys, s_counts, inc, now,
+                                     torch.empty(n_s, self.cfg.dim, dtype=self.cfg.torch_dtype),
+                                     torch.empty(n_s, self.state_width, dtype=torch.float32))
             read = StagedRead(staged, s_counts, future)
+        elif (self.admission is not None or self.stored_only) and s_keys.numel():
+            staged, s_values = admission.stage_admitting(self, s_keys, s_counts, inc, now)
         else:
             staged = self.stage(s_keys, s_counts, inc, now)
         failed: StoreError | None = None
@@ -320,7 +323,7 @@ class TableEngine:
         except StoreError as exc:
             failed = exc
         if read is not None:
-            self.complete(read)  # a failed read raises here: the lookup fails, and no row moved
+            self.complete(read)  # a failed read raises here: the lookup fails, its rows are not cached
         if failed is None and 0 < len(uncached) <= _RECENT_MAX_ROWS:
             self.recent, self.recent_writes = uncached, self.rows.writes
         if failed is not None:
