@@ -19,7 +19,8 @@ Markdown table and a PNG. Quick runs write ``*-quick.*`` beside the full results
 never overwrite them.
 
 Afterwards this collects every ``summary`` row (a measured ratio against a reference measured
-in the same run, and its target) into ``report.md`` and ``report.json`` (``report-quick.*`` in
+in the same run, and its target) of every benchmark with a result there (``--only`` picks what
+runs, not what the report covers) into ``report.md`` and ``report.json`` (``report-quick.*`` in
 quick mode). The report states, per benchmark, the commit and date its result was measured at
 (from the result's JSON, not this run's checkout) and marks it **stale** when that commit
 predates the latest commit that changed the benchmark's script or ``embcache/`` (for every
@@ -286,7 +287,7 @@ def render(runs: list[dict[str, Any]] | None, infos: list[dict[str, Any]], rows:
         line = f"| {info['name']} | {info.get('result') or '—'} | {_measured(info)} | {stale} |"
         if runs is not None:
             r = by_name.get(info["name"], {})
-            line += f" {r.get('status', '')} | {r.get('seconds', 0.0):.0f} | `{r.get('command', '')}` |"
+            line += (f" {r['status']} | {r['seconds']:.0f} | `{r.get('command', '')}` |" if r else " not run | | |")
         lines.append(line)
     lines += ["", "## Targets", "", *target_table(rows, mark_quick=not quick)]
     return "\n".join(lines) + "\n"
@@ -322,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(exist_ok=True)
     t0 = time.perf_counter()
     runs = None if args.report_only else [run_one(b, args.quick, log_dir, args.device, out) for b in chosen]
-    collected = [collect(b, args.quick, out) for b in chosen]
+    # every benchmark's result, not only the ones run now: a report of a subset would drop the others' rows
+    collected = [collect(b, args.quick, out) for b in benches]
     infos = [c[0] for c in collected]
     rows = [row for c in collected for row in c[1]]
     stem = out / ("report-quick" if args.quick else "report")
