@@ -98,7 +98,8 @@ def commit(t: TableEngine, plan: Plan, read: StagedRead | None = None) -> RowBat
     dv = t.ddr.read(plan.ddr_victims)
     d_out = plan.demoted.select(plan.demoted_out)
     if read is None:
-        write_leaving(t, RowBatch.cat([dv, d_out, staged.select(plan.staged_out)]))
+        s_out = staged.select(plan.staged_out)
+        write_leaving(t, RowBatch.cat([dv, d_out, s_out]))
     else:  # rows still being read are clean: they need no write
         write_leaving(t, RowBatch.cat([dv, d_out]))
     p_rows = t.ddr.read(plan.up)
@@ -106,12 +107,12 @@ def commit(t: TableEngine, plan: Plan, read: StagedRead | None = None) -> RowBat
     t.ddr.remove(torch.cat([plan.up, plan.ddr_victims]))
     h_slots = t.hbm.insert(RowBatch.cat([p_rows, staged.select(plan.staged_up)]))
     d_slots = t.ddr.insert(_take(plan.demoted, staged, plan.into_ddr))
+    # the keys and counts of the rows staying out are known before their values are read
     out_keys, out_freq = staged.keys.index_select(0, plan.staged_out), staged.freq.index_select(0, plan.staged_out)
     forget_leaving(t, torch.cat([dv.keys, d_out.keys, out_keys]), torch.cat([dv.freq, d_out.freq, out_freq]))
-    if read is not None:
+    if read is not None:  # the only work after the read: its values, and the rows staying out
         _fill_staged(t, plan, read, h_slots[len(p_rows):], d_slots)
-    s_out = staged.select(plan.staged_out)
-    if read is not None:
+        s_out = staged.select(plan.staged_out)
         expiry.write_leaving_touches(t, s_out)  # looked up, staying out: touched
     st = t.stats
     st.hbm.promotions += plan.up.numel() + plan.staged_up.numel()
