@@ -294,10 +294,10 @@ def test_peak_rss_stays_within_the_budgets_plus_1_gib_under_the_largest_requests
     """The largest Lookup (unknown keys, dim 1: the most rows per byte) and ApplyGradients a 32 MiB limit allows.
 
     Before lookups were handed to the cache in chunks, one lookup of 8M unknown keys (64 MiB)
-    peaked 4.2 GiB above the server's start with 32 MB of tiers. Counted above the start (what the
-    requests add): the start is the libraries' (453 MiB here; torch's CUDA build maps more, and the
-    peak was 1.2 GiB on an H200 machine). The hot tier is on the CPU: on a GPU, CUDA's context adds
-    host memory of its own (1.8 GiB peak there), which is the device's cost, not the requests'.
+    peaked 4.2 GiB above the server's start with 32 MB of tiers. The allowance is deploy/README.md's
+    "Sizing a shard": about 1 GiB on a CPU node (a CPU build of torch), about 2 GiB where torch is a
+    CUDA build, which maps more at import (this server peaked at 1.2 GiB on an H200 machine, the hot
+    tier on the CPU as here; 1.8 GiB with it on the GPU, CUDA's context included).
     """
     budgets = 16_000_000 + 16_000_000
     limit = 32 << 20
@@ -320,7 +320,8 @@ def test_peak_rss_stays_within_the_budgets_plus_1_gib_under_the_largest_requests
                                            np.ones((rows, 64), np.float32))]), timeout=300)
         peak = _peak_rss(server.proc.pid)
         print(f"peak RSS {peak >> 20} MiB, {start >> 20} MiB at start, with {budgets >> 20} MiB of tiers")
-        assert peak - start < budgets + (1 << 30), (peak, start)
+        allowance = (1 << 30) if torch.version.cuda is None else (2 << 30)
+        assert peak < budgets + allowance, (peak, start)
     finally:
         channel.close()
         server.stop()
