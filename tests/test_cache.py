@@ -412,6 +412,51 @@ def test_flushed_updates_survive_sigkill(tmp_path: Any, store: str) -> None:
         assert_close(got[10:], want[10:], rtol=0, atol=0)
 
 
+def test_sigkill_during_overlapped_lookups_loses_no_flushed_update(tmp_path: Any, store: str) -> None:
+    # A training loop whose every lookup misses memory for >= _OVERLAP_READ_MIN keys: each one reads
+    # on a reader thread while it moves rows (dirty ones written back first, staged ones entering
+    # with placeholder values). Killed at an arbitrary moment, the store holds for every key its
+    # flushed value or a later one, never less, and never a placeholder (SGD lr 1, gradient 1:
+    # a row is -k in every column after k updates).
+    path, flushed = tmp_path / "crash", tmp_path / "flushed.npy"
+    script = textwrap.dedent(f"""
+        import os, sys, numpy as np, torch
+        sys.path.insert(0, {ROOT!r})
+        from embcache import EmbeddingCache, CacheConfig, TableConfig
+        cfg = CacheConfig(hbm_bytes=8 * 200, ddr_bytes=16 * 200, path={str(path)!r}, store={store!r}, device="cpu")
+        cache = EmbeddingCache(cfg, [TableConfig(name="t", dim=4, optimizer="sgd", lr=1.0, initializer="zeros")])
+        counts = np.zeros(400, dtype=np.int64)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(100_000):
+            keys = torch.randperm(400, generator=gen)[:150]
+            cache.lookup("t", keys)
+            cache.apply_gradients("t", keys, torch.ones(150, 4))
+            counts[keys.numpy()] += 1
+            if step % 7 == 6:
+                cache.flush()
+                np.save({str(tmp_path / "tmp.npy")!r}, counts)
+                os.replace({str(tmp_path / "tmp.npy")!r}, {str(flushed)!r})
+                if step == 6:
+                    print("flushed", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"flushed", proc.stderr
+        time.sleep(1.5)  # some flushes, then mid-loop
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert proc.returncode == -9
+    acked = np.load(flushed)
+    cfg = CacheConfig(hbm_bytes=0, ddr_bytes=0, path=str(path), store=store, device="cpu")
+    with EmbeddingCache(cfg) as cache:
+        got = cache.lookup("t", torch.arange(400))
+    k = -got[:, 0]
+    assert torch.equal(got, got[:, :1].expand(-1, 4)) and torch.equal(k, k.round())  # no placeholder bits
+    assert bool((k.numpy() >= acked).all()), int((k.numpy() < acked).sum())
+    assert int(acked.sum()) > 0
+
+
 def test_concurrent_threads_lose_no_update(make_cache: Any) -> None:
     # SGD with lr 1 and gradients that are small powers of two: sums are exact in any order
     tables = [TableConfig(name="a", dim=4, optimizer="sgd", lr=1.0, initializer="zeros"),
