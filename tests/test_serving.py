@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -433,3 +434,56 @@ def test_a_serving_server_follows_a_caches_own_delta_exports(tmp_path: Path,
             for t in TABLES:
                 expected = torch.where(alive[:, None], cache.lookup(t, keys), 0.0)
                 assert torch.equal(served[t], expected), (t, result.version)
+
+
+def test_a_switch_serves_rows_not_yet_written_and_a_failed_write_is_retried(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process: a version's rows are written into the cache after the switch, in chunks; until
+    then lookups take them from the overlay, also when a write fails (the next poll writes them
+    before it applies a newer version). Its deleted keys are gone at the switch."""
+    from embcache.errors import StoreError
+    from embcache.server import serving
+    from embcache.server.serving import ServedModel, serving_tables
+
+    export = str(tmp_path / "export")
+    cfg = TableConfig(name="t", dim=2, dtype="float16").to_dict()
+    keys = np.arange(3 * serving._WRITE_CHUNK + 5, dtype=np.int64)
+
+    def part(v: float, deleted: tuple[int, ...] = ()) -> dict[str, TablePart]:
+        kept = keys[~np.isin(keys, deleted)]
+        return {"t": TablePart(cfg, kept, np.full((kept.size, 2), v, dtype=np.float16),
+                               deleted=np.asarray(deleted, dtype=np.int64))}
+
+    write_version(export, 1, "full", part(1.0))
+    with EmbeddingCache(CacheConfig(path=str(tmp_path / "s"), hbm_bytes=40_000, ddr_bytes=40_000,
+                                    lookups_create_rows=False), serving_tables(export)) as cache:
+        model = ServedModel(export, cache)
+        assert model.load() == 1
+        real, calls = cache.import_rows, []
+
+        def import_rows(table: str, k: Any, records: np.ndarray, *args: Any, **kwargs: Any) -> None:
+            calls.append(len(k))
+            if len(calls) == 2:
+                raise StoreError("injected write failure")
+            real(table, k, records, *args, **kwargs)
+
+        monkeypatch.setattr(cache, "import_rows", import_rows)
+        write_version(export, 2, "delta", part(2.0, deleted=(7,)), base_version=1)
+        assert model.poll() == 1 and (model.version, model.errors) == (2, 1)
+        assert max(calls) <= serving._WRITE_CHUNK  # written beside the lookups, a chunk at a time
+        want = torch.full((keys.size, 2), 2.0)
+        want[7] = 0.0  # deleted: an unknown key's row
+        query = torch.from_numpy(keys)
+        alone = cache.lookup("t", query).cpu()
+        assert not torch.equal(alone, want)  # the failed chunk is not in the cache
+        with model.reading() as overlay:
+            assert overlay is not None
+            rows = cache.lookup("t", query).cpu()
+            overlay.patch("t", query, rows)
+        assert torch.equal(rows, want) and torch.equal(alone[7], torch.zeros(2))
+        write_version(export, 3, "delta", part(3.0, deleted=(7,)), base_version=2)
+        assert model.poll() == 1 and (model.version, model.errors) == (3, 1)  # version 2's rows first, then 3
+        with model.reading() as overlay:
+            assert overlay is None
+        want[want == 2.0] = 3.0
+        assert torch.equal(cache.lookup("t", query).cpu(), want)

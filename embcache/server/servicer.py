@@ -68,6 +68,7 @@ from .durability import Durability
 from .exports import Exports
 from .handlers import SERVICE_NAME, add_to_server
 from .leases import LeaseTable
+from .overlay import Overlay
 from .overload import StreamWatchdog
 from .rpcmetrics import RpcMetrics
 from .serving import ServedModel
@@ -109,8 +110,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
                  watchdog: StreamWatchdog | None = None, serving: ServedModel | None = None) -> None:
         self._cache = cache
         self._serving = serving
-        self._reading: Callable[[], AbstractContextManager[None]] = (
-            serving.gate.reading if serving is not None else nullcontext)
+        self._reading: Callable[[], AbstractContextManager[Overlay | None]] = (
+            serving.reading if serving is not None else nullcontext)
         self._gate = gate if gate is not None else ShardGate(cache.config.path, cache)
         self._durability = durability
         self._info = server_info
@@ -261,12 +262,15 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
             known = self._cache.tables()
             self._check_reply_size(keys, known)
             if any(name not in known for name in keys):  # the library raises UnknownTableError, having read nothing
-                with self._reading():  # (or the table was created meanwhile)
-                    rows = self._cache.lookup_many(keys)
-                return wire.encode_lookup_response([(n, r.cpu().numpy()) for n, r in rows.items()])
+                with self._reading() as overlay:  # (or the table was created meanwhile)
+                    rows = {n: r.cpu() for n, r in self._cache.lookup_many(keys).items()}
+                    if overlay is not None:
+                        for n, r in rows.items():
+                            overlay.patch(n, keys[n], r)
+                return wire.encode_lookup_response([(n, r.numpy()) for n, r in rows.items()])
             reply, views = wire.new_lookup_response([(n, k.numel(), known[n].dim) for n, k in keys.items()])
             on_cpu = self._cache.device.type == "cpu"
-            with self._reading():  # serving mode: every table and chunk of one version
+            with self._reading() as overlay:  # serving mode: every table and chunk of one version
                 for (name, k), out in zip(keys.items(), views, strict=True):
                     # In chunks: the cache's working memory for a batch (unique keys, staged rows, their
                     # placement) grows with the batch, so one lookup of 8M unknown keys (a 64 MiB request)
@@ -277,6 +281,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServiceServicer):
                             self._cache.lookup(name, k[start:end], out=out[start:end])
                         else:  # the rows leave the device once, into the reply
                             out[start:end].copy_(self._cache.lookup(name, k[start:end]))
+                    if overlay is not None:  # rows of the version served not yet written into the cache
+                        overlay.patch(name, k, out)
             return reply
         return self._run("Lookup", context, lookup)
 
