@@ -28,8 +28,12 @@ miniature simulations (``embcache.sim.AdaptiveLrfuSim``, what the cache does wit
 ARC, W-TinyLFU and W-TinyLFU-adaptive in every cell (the summary lists it at 1%; the tables have
 every capacity).
 
-The hit ratios are exact counts of one seeded trace (no timing, so nothing to take a median of);
-``--seed`` changes the trace.
+The simulators' hit ratios are exact counts of one seeded trace; ``--seed`` changes the trace.
+The cache's are counts too, but not quite repeatable: its policy tuner (``CacheConfig.tune_policy``)
+replays its sample on a background thread, so the batch at which a new setting takes effect, and
+whether a batch is left out of the sample when that thread falls behind, depend on the thread's
+timing (a 6,000-access loop moved by 0.3 points between the first run in a process, which
+compiles the tuner's code, and the next; ``tests/test_bench_smoke.py`` allows 2 points there).
 
 Outputs: a Markdown table per workload and a summary at 1% capacity (printed, and written to
 ``bench/results/policy.md``), the numbers as JSON in ``bench/results/policy.json`` (with the
@@ -40,12 +44,14 @@ W-TinyLFU-batched, embcache-lrfu-sim against W-TinyLFU; target: at least as many
 and LFU (target: at least as many hits), and with the sequential W-TinyLFU and OPT (no target)
 for every workload at 1% capacity.
 
-The full run (1M keys, 2M accesses, every workload, the three embcache policies, seven
-capacities: 210 replays through the cache) took about 50 minutes on 2 cores with the six
-workloads it had before the four below (126 replays); expect about 80. ``--quick`` runs
-100k keys and 250k accesses, seven workloads (zipf-1.05, drifting, bursty and the four below),
-capacities 0.25%, 1% and 4%, and the default policy only (a few minutes), writing
-``policy-quick.*``.
+The full run (1M keys, 2M accesses, every workload, seven capacities) replays each trace through
+the cache with embcache's default policy ("lrfu", the one every summary row measures): 70
+replays of about 40 s each. ``--policies lrfu lru lfu`` adds the other two (210 replays; 88
+minutes for six workloads on one core). ``--jobs`` runs that many workloads at once in worker
+processes (default: one per core; each worker uses one torch and one numba thread): the hit
+ratios are exact counts and do not depend on it, only the ``seconds`` columns do. ``--quick``
+runs 100k keys and 250k accesses, seven workloads (zipf-1.05, drifting, bursty and the four
+below), capacities 0.25%, 1% and 4% (a few minutes), writing ``policy-quick.*``.
 
 The workloads (``bench/workloads.py``): stationary Zipf at three skews, drifting popularity,
 bursts, scans of one-hit wonders, user sessions (runs of one user's key), item sessions (runs
@@ -59,10 +65,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +175,51 @@ def embcache_hit_ratio(trace: np.ndarray, capacity_rows: int, policy: str, batch
         "seconds": seconds,
         "stats": {"lookups": lookups, "hbm": stats["hbm"], "ssd": stats["ssd"]},
     }
+
+
+BOOKKEEPING_TARGET = 32  # bytes per resident row beyond weights and optimizer state, key index included
+
+
+def bookkeeping_bytes(dim: int = 64, rows: int = 100_000) -> dict[str, Any]:
+    """Bytes a resident row costs beyond its weights and optimizer state, counted from what a real
+    cache allocated: every per-row array of each memory tier and its key index, over its capacity
+    (dim ``dim`` float32, row-wise AdaGrad, ``rows`` rows looked up into each tier).
+
+    Reads the tiers' arrays through the cache's private attributes: what the budget counts
+    (``row_bytes``) is a formula, this is the memory itself.
+    """
+    import torch
+
+    embedding_cache, cache_config, table_config = _import_embcache()
+    table = table_config(name="t", dim=dim, optimizer="rowwise_adagrad")
+    with tempfile.TemporaryDirectory(prefix="embcache-bench-") as tmp:
+        probe_cfg = cache_config(hbm_bytes=1 << 20, ddr_bytes=0, path=str(Path(tmp) / "probe"), store="rocksdb")
+        with embedding_cache(probe_cfg, tables=[table]) as probe:
+            row_bytes = int(probe.row_bytes("t"))
+        cfg = cache_config(hbm_bytes=rows * row_bytes, ddr_bytes=rows * row_bytes, path=str(Path(tmp) / "cache"),
+                           store="rocksdb")
+        out: dict[str, Any] = {"dim": dim, "dtype": "float32", "optimizer": "rowwise_adagrad",
+                               "row_bytes": row_bytes}
+        with embedding_cache(cfg, tables=[table]) as cache:
+            cache.lookup("t", torch.arange(3 * rows, dtype=torch.int64))
+            engine = cache._tables["t"]
+            for name, tier in (("hbm", engine.hbm), ("ddr", engine.ddr)):
+                payload = tier.weights.element_size() * tier.weights.shape[1] + 4 * tier.state.shape[1]
+                allocated = sum(a.numel() * a.element_size() for a in tier.arrays()) + int(tier.index.nbytes)
+                out[name] = {"capacity": int(tier.capacity), "resident": len(tier), "payload_bytes": payload,
+                             "bookkeeping_bytes": allocated / tier.capacity - payload}
+    out["bookkeeping_bytes"] = max(out[t]["bookkeeping_bytes"] for t in ("hbm", "ddr"))
+    return out
+
+
+def bookkeeping_row(measured: dict[str, Any]) -> dict[str, Any]:
+    """The summary row of :func:`bookkeeping_bytes` against :data:`BOOKKEEPING_TARGET`."""
+    b = float(measured["bookkeeping_bytes"])
+    return {"case": f"bytes of bookkeeping per resident row, key index included (dim {measured['dim']} fp32, "
+                    f"row-wise AdaGrad): {b:.1f} B",
+            "reference": f"{BOOKKEEPING_TARGET} B (HierarchicalKV ~25 B: key, score, digest)",
+            "ratio": b / BOOKKEEPING_TARGET, "target": 1.0, "lower_is_better": True,
+            "met": bool(b <= BOOKKEEPING_TARGET)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,7 +443,7 @@ def render_markdown(doc: dict[str, Any], results: dict[str, dict[str, Any]], fra
              f"{c['n_accesses']:,} accesses, seed {c['seed']}, embcache lookups in batches of {c['batch_size']}.", "",
              "| case | reference | ratio | target | met? |", "| --- | --- | ---: | ---: | --- |"]
     for r in doc["summary"]:
-        target = "—" if r["target"] is None else f">= {r['target']:g}x"
+        target = "—" if r["target"] is None else f"{'<=' if r.get('lower_is_better') else '>='} {r['target']:g}x"
         met = "n/a" if r["met"] is None else ("yes" if r["met"] else "**no**")
         lines.append(f"| {r['case']} | {r['reference']} | {format_ratio(r['ratio'], r['target'])} | {target} | "
                      f"{met} |")
@@ -476,9 +530,8 @@ def _json_safe(obj: Any) -> Any:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true", help="100k keys, 250k accesses, the zipf-1.05, drifting and "
-                   "bursty workloads, capacities 0.25/1/4%%, embcache's default policy only (about 1 min; default: 1M "
-                   "keys, 2M accesses, every workload, policy and capacity, ~50 min)")
+    p.add_argument("--quick", action="store_true", help="100k keys, 250k accesses, seven workloads, capacities "
+                   "0.25/1/4%% (a few minutes; default: 1M keys, 2M accesses, every workload and seven capacities)")
     p.add_argument("--references-only", action="store_true", help="skip embcache; reference simulators only")
     p.add_argument("--n-keys", type=int, default=None, help="key space size")
     p.add_argument("--n-accesses", type=int, default=None, help="trace length")
@@ -487,18 +540,69 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacities", type=float, nargs="+", default=None,
                    help="fractions of the key space (default 0.0025 .. 0.16; quick 0.0025 0.01 0.04)")
     p.add_argument("--workloads", nargs="+", default=None, choices=[w.name for w in WORKLOADS], metavar="NAME")
-    p.add_argument("--policies", nargs="+", default=None, help="embcache policies to run (default: all; quick: lrfu)")
+    p.add_argument("--policies", nargs="+", default=None, choices=EMBCACHE_POLICIES,
+                   help="embcache policies to replay through the cache (default: lrfu, the default policy)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="workloads run at once, each in a worker process (default: one per core)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = p.parse_args(argv)
     args.n_keys = args.n_keys or (100_000 if args.quick else 1_000_000)
     args.n_accesses = args.n_accesses or (250_000 if args.quick else 2_000_000)
     if args.policies is None:
-        args.policies = ["lrfu"] if args.quick else list(EMBCACHE_POLICIES)
+        args.policies = ["lrfu"]
     if args.workloads is None and args.quick:  # stationary skew, drift and bursts: both kinds of workload
         args.workloads = list(QUICK_WORKLOADS)
     if args.capacities is None:
         args.capacities = list(QUICK_CAPACITY_FRACTIONS if args.quick else CAPACITY_FRACTIONS)
     return args
+
+
+def _worker_init() -> None:
+    """One torch and one numba thread per worker process: the workers share the cores."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        import numba
+
+        numba.set_num_threads(1)
+    except (ImportError, ValueError):
+        pass
+
+
+def _run_one(workload_name: str, args: argparse.Namespace, policies: Sequence[str]) -> dict[str, Any]:
+    """:func:`run_workload` of the workload named ``workload_name`` (what a worker process runs)."""
+    workload = next(w for w in WORKLOADS if w.name == workload_name)
+    progress = Progress(len(policies) * len(args.capacities))
+    return run_workload(workload, args.n_accesses, args.n_keys, args.seed, args.capacities, policies,
+                        args.batch_size, progress)
+
+
+def run_workloads(workloads: Sequence[Workload], args: argparse.Namespace,
+                  policies: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Every workload's :func:`run_workload`, in ``args.jobs`` worker processes; in ``workloads``' order.
+
+    With one job everything runs in this process. Otherwise each worker runs whole workloads (its
+    lines of progress interleave with the others'; each workload's own count of replays and the
+    number of workloads done say how far the run is).
+    """
+    jobs = max(1, min(int(args.jobs), len(workloads)))
+    if jobs == 1:
+        progress = Progress(len(workloads) * len(policies) * len(args.capacities))
+        return {w.name: run_workload(w, args.n_accesses, args.n_keys, args.seed, args.capacities, policies,
+                                     args.batch_size, progress) for w in workloads}
+    done: dict[str, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold torch's threads
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init) as pool:
+        futures = {pool.submit(_run_one, w.name, args, list(policies)): w.name for w in workloads}
+        for fut in as_completed(futures):
+            done[futures[fut]] = fut.result()
+            elapsed = time.perf_counter() - t0
+            left = (len(workloads) - len(done)) * elapsed / len(done)
+            print(f"\n[{len(done)}/{len(workloads)} workloads done: {futures[fut]}; {elapsed / 60:.0f} min so far, "
+                  f"~{left / 60:.0f} min left]", flush=True)
+    return {w.name: done[w.name] for w in workloads}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -520,13 +624,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    progress = Progress(len(workloads) * len(policies) * len(args.capacities))
-    results = {
-        w.name: run_workload(w, args.n_accesses, args.n_keys, args.seed, args.capacities, policies, args.batch_size,
-                             progress)
-        for w in workloads
-    }
+    results = run_workloads(workloads, args, policies)
     fraction = SUMMARY_FRACTION if SUMMARY_FRACTION in args.capacities else args.capacities[0]
+    summary = summary_rows(results, fraction)
+    bookkeeping = bookkeeping_bytes() if policies else None
+    if bookkeeping is not None:  # what a row costs beyond its payload decides how many rows a budget holds
+        summary.append(bookkeeping_row(bookkeeping))
+        print(f"\nbookkeeping per resident row: {bookkeeping['bookkeeping_bytes']:.1f} B "
+              f"(HBM {bookkeeping['hbm']['bookkeeping_bytes']:.1f}, DDR {bookkeeping['ddr']['bookkeeping_bytes']:.1f}; "
+              f"target {BOOKKEEPING_TARGET})")
     print()
     for name, res in results.items():
         print(workload_table(name, res) + "\n")
@@ -544,11 +650,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "capacity_fractions": args.capacities,
             "embcache_policies": policies,
             "quick": args.quick,
+            "jobs": args.jobs,
         },
         "machine": info,
         "seconds": time.perf_counter() - t0,
         "workloads": results,
-        "summary": summary_rows(results, fraction),
+        "bookkeeping": bookkeeping,
+        "summary": summary,
     }
     stem = "policy-quick" if args.quick else "policy"
     (out / f"{stem}.json").write_text(json.dumps(_json_safe(doc), indent=1) + "\n")

@@ -225,7 +225,41 @@ def test_bench_policy_summary_has_every_workload_at_one_percent() -> None:
     assert [r["reference"].split()[0] for r in rows[:4]] == ["W-TinyLFU", "LRU", "LFU", "OPT"]
     assert rows[3]["target"] is None and all(r["met"] for r in rows if r["target"] is not None)
     args = bench_policy.parse_args([])
-    assert args.policies == ["lrfu", "lru", "lfu"] and args.workloads is None and args.capacities == fracs
+    assert args.policies == ["lrfu"] and args.workloads is None and args.capacities == fracs and args.jobs >= 1
+
+
+def test_bench_policy_counts_the_bookkeeping_a_tier_allocates() -> None:
+    """The bookkeeping row is the memory the tiers allocated per row beyond the payload, which the
+    budget's formula (row_bytes) must not undercount; it is held to 32 B, lower is better."""
+    m = bench_policy.bookkeeping_bytes(rows=5000)
+    for tier in ("hbm", "ddr"):
+        assert m[tier]["capacity"] >= 5000 and m[tier]["payload_bytes"] == 4 * 64 + 4
+        assert 0 < m[tier]["bookkeeping_bytes"] <= m["row_bytes"] - m[tier]["payload_bytes"]
+    row = bench_policy.bookkeeping_row(m)
+    assert row["lower_is_better"] and row["ratio"] == m["bookkeeping_bytes"] / 32
+    assert row["met"] == (m["bookkeeping_bytes"] <= 32)
+
+
+def test_bench_policy_workers_count_the_same_hits() -> None:
+    """Workloads run in worker processes give a run in one process's hit ratios, in its order.
+
+    The reference simulators count exactly. The cache's ratio may move a little: its policy tuner
+    runs on a background thread, so the batch at which a new setting takes effect (and whether a
+    batch is dropped from its sample when that thread lags) depends on the thread's timing.
+    """
+    args = bench_policy.parse_args(["--n-keys", "2000", "--n-accesses", "6000", "--capacities", "0.02",
+                                    "--workloads", "loop", "sessions-users", "--jobs", "1"])
+    workloads = [w for w in bench_policy.WORKLOADS if w.name in args.workloads]
+    one = bench_policy.run_workloads(workloads, args, ["lrfu"])
+    args.jobs = 2
+    two = bench_policy.run_workloads(workloads, args, ["lrfu"])
+    assert list(two) == list(one) == [w.name for w in workloads]
+    for name in one:
+        mine = "embcache-lrfu"
+        exact = {k: v for k, v in one[name]["hit_ratio"].items() if k != mine}
+        assert {k: v for k, v in two[name]["hit_ratio"].items() if k != mine} == exact, name
+        assert 0 < one[name]["hit_ratio"][mine][0] < 1
+        assert two[name]["hit_ratio"][mine][0] == pytest.approx(one[name]["hit_ratio"][mine][0], abs=0.02), name
 
 
 def test_bench_scale_times_full_tiers(tmp_path: Path) -> None:
