@@ -13,26 +13,28 @@ before the phases, so all are resident). A client looks up 4,096
 uniformly drawn keys at a time, one lookup after another, in two phases:
 
 * **steady**: no new version appears;
-* **applying deltas**: meanwhile a thread of this process writes a delta version every 0.25 s,
-  each changing 10,000 rows and deleting 100 keys (as a trainer exporting often would), and the
-  server applies each as it appears.
+* **applying deltas**: meanwhile a process of its own (the trainer's side) writes a delta
+  version every 0.25 s, each changing 10,000 rows and deleting 100 keys (as a trainer exporting
+  often would), and the server applies each as it appears.
 
 Per phase: lookup p50, p99 and max, and, for the second, the versions the server applied during
 the phase and the time lookups were held off per switch (``embcache_serving_switch_seconds_total``
 over ``embcache_serving_versions_applied_total``, scraped from the server's metrics before and
 after). The summary's ratio is the applying phase's p99 over the steady phase's (target: at most
-2x). The exporting thread shares this machine's cores with the server and the client; one torch
-thread per process (the server's ``--torch-threads 1`` and this one's), as in ``bench_server.py``.
+2x). The exporting process shares this machine's 2 cores with the server and the client (a
+trainer would run elsewhere); one torch thread per process (the server's ``--torch-threads 1``
+and this one's), as in ``bench_server.py``. Until 2026-11-26 the exporter was a thread of the
+client's process, whose GIL it held while writing.
 Writes ``bench/results/serving.json``, ``serving.md`` and ``serving.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -75,26 +77,48 @@ def _lookups(client: Client, n: int, rng: np.random.Generator) -> list[float]:
     return times
 
 
-class _Exporter(threading.Thread):
-    """Writes a delta version every EVERY seconds until stopped (the trainer's side)."""
+def _export_deltas(directory: str, first: int, stop: Any, done: Any) -> None:
+    """Write a delta version every EVERY seconds until ``stop`` is set; send the write times to ``done``."""
+    rng = np.random.default_rng(1)
+    version, write_seconds = first, []
+    done.send("ready")
+    while not stop.wait(EVERY):
+        keys = np.unique(rng.integers(0, ROWS, DELTA_ROWS + DELTA_DELETED))
+        changed, deleted = keys[:-DELTA_DELETED], keys[-DELTA_DELETED:]
+        t0 = time.perf_counter()
+        write_version(directory, version + 1, "delta", {"t": TablePart(
+            CONFIG, changed, rng.standard_normal((changed.size, DIM), dtype=np.float32), deleted)},
+            base_version=version)
+        write_seconds.append(time.perf_counter() - t0)
+        version += 1
+    done.send(write_seconds)
+
+
+class _Exporter:
+    """The trainer's side, in a process of its own (as a trainer runs apart from the servers it
+    feeds): a delta version every EVERY seconds until stopped. A thread of this process would hold
+    the client's GIL while it writes (18 ms a delta) and delay lookups the server had answered."""
 
     def __init__(self, directory: str, first: int) -> None:
-        super().__init__(daemon=True)
-        self.directory, self.version = directory, first
-        self.stop = threading.Event()
-        self.rng = np.random.default_rng(1)
+        ctx = multiprocessing.get_context("spawn")
+        self.stop = ctx.Event()
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_export_deltas, args=(directory, first, self.stop, child), daemon=True)
         self.write_seconds: list[float] = []
 
-    def run(self) -> None:
-        while not self.stop.wait(EVERY):
-            keys = np.unique(self.rng.integers(0, ROWS, DELTA_ROWS + DELTA_DELETED))
-            changed, deleted = keys[:-DELTA_DELETED], keys[-DELTA_DELETED:]
-            t0 = time.perf_counter()
-            write_version(self.directory, self.version + 1, "delta", {"t": TablePart(
-                CONFIG, changed, self.rng.standard_normal((changed.size, DIM), dtype=np.float32), deleted)},
-                base_version=self.version)
-            self.write_seconds.append(time.perf_counter() - t0)
-            self.version += 1
+    def start(self) -> None:
+        """Start the process; returns once it is ready to write."""
+        self._proc.start()
+        if self._conn.recv() != "ready":
+            raise RuntimeError("the exporting process did not start")
+
+    def finish(self) -> None:
+        """Stop writing; collect the write times."""
+        if not self._proc.is_alive():
+            return
+        self.stop.set()
+        self.write_seconds = self._conn.recv()
+        self._proc.join(timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                     times = _lookups(client, n, rng)
                     wall = time.perf_counter() - t0
-                    if exporter.is_alive():
-                        exporter.stop.set()
-                        exporter.join()
+                    exporter.finish()
                     after = _metrics(server)
                     applied = after["embcache_serving_versions_applied_total"] - before[
                         "embcache_serving_versions_applied_total"]
