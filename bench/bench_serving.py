@@ -24,7 +24,11 @@ the phase and the time lookups were held off per switch (``embcache_serving_swit
 over ``embcache_serving_versions_applied_total``, scraped from the server's metrics before and
 after). The summary's ratio is the applying phase's p99 over the steady phase's (target: at most
 2x); a second row, without a target, divides it by the exporting phase's p99: what applying adds
-beyond the exporter's share of the cores. The exporting process shares this machine's 2 cores
+beyond the exporter's share of the cores. Each lookup of the two busy phases is also labelled by
+what ran beside it: the server writing a delta's rows, or staging and switching to it (both from
+the log line the server writes after each version, its time stamp and the phases' durations),
+the exporter making and writing a delta (its own clock), or nothing; per label the lookups, their
+p50 and p99, and how many of the slowest 1% it holds. The exporting process shares this machine's 2 cores
 with the server and the client (a trainer would run elsewhere); one torch thread per process
 (the server's ``--torch-threads 1`` and this one's), as in ``bench_server.py``. Until
 2026-11-26 the exporter was a thread of the client's process, whose GIL it held while writing.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 import time
@@ -70,31 +75,76 @@ def _metrics(server: LocalServer) -> dict[str, float]:
             if s.name.startswith("embcache_serving_")}
 
 
-def _lookups(client: Client, n: int, rng: np.random.Generator) -> list[float]:
+def _lookups(client: Client, n: int, rng: np.random.Generator,
+             starts: list[float] | None = None) -> list[float]:
+    """Seconds of each of ``n`` lookups; their wall-clock starts appended to ``starts``."""
     times = []
     for _ in range(n):
         keys = rng.integers(0, ROWS, BATCH)
-        t0 = time.perf_counter()
+        wall, t0 = time.time(), time.perf_counter()
         client.lookup("t", keys)
         times.append(time.perf_counter() - t0)
+        if starts is not None:
+            starts.append(wall)
     return times
+
+
+_APPLIED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*serving version \d+ \(delta\)"
+                      r".*staged in ([\d.]+) ms, switched in ([\d.]+) ms, \d+ rows written in ([\d.]+) ms")
+
+
+def _server_intervals(log_text: str) -> dict[str, list[tuple[float, float]]]:
+    """Wall-clock (start, end) of each delta's staging (switch included) and writing, from the
+    server's log line at the end of each apply (its time stamp, then the phases' durations)."""
+    out: dict[str, list[tuple[float, float]]] = {"server writing rows": [], "server staging or switching": []}
+    for line in log_text.splitlines():
+        m = _APPLIED.match(line)
+        if m is None:
+            continue
+        end = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+        stage, switch, write = (float(m.group(i)) / 1e3 for i in (3, 4, 5))
+        out["server writing rows"].append((end - write, end))
+        out["server staging or switching"].append((end - write - switch - stage, end - write))
+    return out
+
+
+def attribute(starts: list[float], times: list[float], beside: dict[str, list[tuple[float, float]]],
+              slowest: float = 0.01) -> list[dict[str, Any]]:
+    """Each lookup labelled by the first of ``beside``'s activities (in order) it overlapped, else
+    "nothing"; per label the lookups, their p50 and p99, and how many of the slowest ``slowest``
+    share of all lookups it holds."""
+    labels = []
+    for start, took in zip(starts, times, strict=True):
+        end = start + took
+        label = next((name for name, spans in beside.items() if any(a < end and start < b for a, b in spans)),
+                     "nothing")
+        labels.append(label)
+    k = max(1, round(slowest * len(times)))
+    worst = set(np.argsort(times)[-k:].tolist())
+    rows = []
+    for name in [*beside, "nothing"]:
+        idx = [i for i, lab in enumerate(labels) if lab == name]
+        sel = [times[i] for i in idx]
+        rows.append({"beside": name, "lookups": len(idx), "p50_ms": _pct(sel, 50), "p99_ms": _pct(sel, 99),
+                     "slowest": sum(1 for i in idx if i in worst), "slowest_of": k})
+    return rows
 
 
 def _export_deltas(directory: str, first: int, stop: Any, done: Any) -> None:
     """Write a delta version every EVERY seconds until ``stop`` is set; send the write times to ``done``."""
     rng = np.random.default_rng(1)
-    version, write_seconds = first, []
+    version, writes = first, []
     done.send("ready")
     while not stop.wait(EVERY):
+        wall, t0 = time.time(), time.perf_counter()
         keys = np.unique(rng.integers(0, ROWS, DELTA_ROWS + DELTA_DELETED))
         changed, deleted = keys[:-DELTA_DELETED], keys[-DELTA_DELETED:]
-        t0 = time.perf_counter()
         write_version(directory, version + 1, "delta", {"t": TablePart(
             CONFIG, changed, rng.standard_normal((changed.size, DIM), dtype=np.float32), deleted)},
             base_version=version)
-        write_seconds.append(time.perf_counter() - t0)
+        writes.append((wall, time.perf_counter() - t0))
         version += 1
-    done.send(write_seconds)
+    done.send(writes)
 
 
 class _Exporter:
@@ -108,6 +158,7 @@ class _Exporter:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_export_deltas, args=(directory, first, self.stop, child), daemon=True)
         self.write_seconds: list[float] = []
+        self.spans: list[tuple[float, float]] = []  # wall-clock (start, end) of each delta made and written
 
     def start(self) -> None:
         """Start the process; returns once it is ready to write."""
@@ -120,7 +171,9 @@ class _Exporter:
         if not self._proc.is_alive():
             return
         self.stop.set()
-        self.write_seconds = self._conn.recv()
+        writes = self._conn.recv()
+        self.write_seconds = [took for _, took in writes]
+        self.spans = [(wall, wall + took) for wall, took in writes]
         self._proc.join(timeout=60)
 
 
@@ -163,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                         exporter.start()
                     print(f"{label}: {n} lookups ...", flush=True)
                     t0 = time.perf_counter()
-                    times = _lookups(client, n, rng)
+                    starts: list[float] = []
+                    times = _lookups(client, n, rng, starts)
                     wall = time.perf_counter() - t0
                     exporter.finish()
                     after = _metrics(server)
@@ -178,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                                      "switch_ms_mean": 1e3 * stall / applied if applied else 0.0,
                                      "export_write_ms_mean": 1e3 * float(np.mean(exporter.write_seconds))
                                      if exporter.write_seconds else 0.0}
+                    if label != "steady":  # what ran beside each lookup (server phases from its log)
+                        beside = _server_intervals(server.log()) if label == "applying deltas" else {}
+                        beside = {k: [(a, b) for a, b in v if b > starts[0]] for k, v in beside.items()}
+                        beside["exporter making and writing a delta"] = exporter.spans
+                        phases[label]["beside"] = attribute(starts, times, beside)
                 assert after["embcache_serving_errors_total"] == 0
         finally:
             server.stop()
@@ -198,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
              if ph["versions_written"] else ""] for label, ph in phases.items()]
     table = markdown_table(["phase", "lookup p50 ms", "lookup p99 ms", "max ms", "versions applied",
                             "switch ms (lookups held)", "delta write ms (exporter)"], rows)
+    beside_rows = [[label, b["beside"], b["lookups"], f"{b['p50_ms']:.2f}" if b["lookups"] else "",
+                    f"{b['p99_ms']:.2f}" if b["lookups"] else "", f"{b['slowest']} of {b['slowest_of']}"]
+                   for label, ph in phases.items() for b in ph.get("beside", [])]
+    table += ("\n\nEach lookup by the first activity it overlapped (the server's phases from its log, the "
+              "exporter's from its own clock):\n\n" + markdown_table(
+                  ["phase", "beside", "lookups", "p50 ms", "p99 ms", "of the slowest 1%"], beside_rows))
     doc = {"benchmark": "serving lookup latency while following an export", "command": info["command"],
            "machine": info, "dim": DIM, "rows": ROWS, "batch": BATCH, "delta_rows": DELTA_ROWS,
            "delta_deleted": DELTA_DELETED, "every_seconds": EVERY, "lookups": n,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from bench import __main__ as runner
-from bench import bench_dlrm, bench_gpu, bench_index, bench_policy, bench_scale
+from bench import bench_dlrm, bench_gpu, bench_index, bench_policy, bench_scale, bench_serving
 from bench._common import format_ratio, machine_info
 from bench.readme import target_table
 
@@ -226,6 +227,22 @@ def test_bench_policy_summary_has_every_workload_at_one_percent() -> None:
     assert rows[3]["target"] is None and all(r["met"] for r in rows if r["target"] is not None)
     args = bench_policy.parse_args([])
     assert args.policies == ["lrfu"] and args.workloads is None and args.capacities == fracs and args.jobs >= 1
+
+
+def test_bench_serving_attributes_each_lookup_to_what_ran_beside_it() -> None:
+    """The server's apply phases come from its log line (time stamp at the end, then durations),
+    and each lookup is labelled by the first activity it overlapped."""
+    line = ("2026-11-26 11:00:00,500 embcache.server.serving INFO serving version 7 (delta) of /x; staged in "
+            "100.0 ms, switched in 50.0 ms, 10000 rows written in 200.0 ms")
+    spans = bench_serving._server_intervals("noise\n" + line + "\n")
+    end = time.mktime(time.strptime("2026-11-26 11:00:00", "%Y-%m-%d %H:%M:%S")) + 0.5
+    assert spans["server writing rows"] == [pytest.approx((end - 0.2, end))]
+    assert spans["server staging or switching"] == [pytest.approx((end - 0.35, end - 0.2))]
+    beside = {"writing": [(10.0, 11.0)], "exporter": [(10.5, 12.0)]}
+    starts, times = [9.0, 10.2, 11.5, 13.0], [0.1, 0.5, 0.2, 0.3]
+    rows = {r["beside"]: r for r in bench_serving.attribute(starts, times, beside, slowest=0.25)}
+    assert [rows[k]["lookups"] for k in ("writing", "exporter", "nothing")] == [1, 1, 2]
+    assert rows["writing"]["slowest"] == 1 and rows["writing"]["p99_ms"] == pytest.approx(500.0)
 
 
 def test_bench_policy_counts_the_bookkeeping_a_tier_allocates() -> None:

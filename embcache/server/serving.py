@@ -248,6 +248,7 @@ class ServedModel:
         """
         if self._pending is not None:
             raise RuntimeError(f"version {self.version}'s rows are still being written")
+        t_stage = time.perf_counter()
         staged = self._stage(version, self._tables_of(version))
         overlay = staged.overlay()
         t0 = time.perf_counter()
@@ -263,8 +264,9 @@ class ServedModel:
         self.last_switch_seconds = took
         t1 = time.perf_counter()
         written = self._finish()
-        log.info("serving version %d (%s) of %s; switched in %.1f ms, %d rows written in %.1f ms", version.version,
-                 version.kind, self.directory, 1e3 * took, overlay.rows, 1e3 * (time.perf_counter() - t1))
+        log.info("serving version %d (%s) of %s; staged in %.1f ms, switched in %.1f ms, %d rows written in %.1f ms",
+                 version.version, version.kind, self.directory, 1e3 * (t0 - t_stage), 1e3 * took, overlay.rows,
+                 1e3 * (time.perf_counter() - t1))
         return written
 
     def _finish(self) -> bool:
