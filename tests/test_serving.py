@@ -487,3 +487,24 @@ def test_a_switch_serves_rows_not_yet_written_and_a_failed_write_is_retried(tmp_
             assert overlay is None
         want[want == 2.0] = 3.0
         assert torch.equal(cache.lookup("t", query).cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_an_overlay_patches_exactly_the_rows_it_holds(dtype: torch.dtype) -> None:
+    """Keys in any order (repeats included) get the overlay's row converted to float32 exactly;
+    the others keep the cache's answer; a table it lacks is left alone."""
+    from embcache.server.overlay import Overlay
+
+    keys = np.array([40, 7, 23, 1_000_000_007], dtype=np.int64)  # unsorted, as a version lists them
+    rows = (torch.arange(16, dtype=torch.float32).reshape(4, 4) / 8 - 1).to(dtype)
+    overlay = Overlay({"t": (keys, rows), "empty": (np.empty(0, np.int64), torch.empty(0, 4, dtype=dtype))})
+    assert overlay.rows == 4
+    query = torch.tensor([7, 8, 1_000_000_007, 7, -5, 40], dtype=torch.int64)
+    out = torch.full((6, 4), 99.0)
+    assert overlay.patch("t", query, out) == 4
+    assert torch.equal(out[0], rows[1].float()) and torch.equal(out[3], rows[1].float())
+    assert torch.equal(out[2], rows[3].float()) and torch.equal(out[5], rows[0].float())
+    assert torch.equal(out[[1, 4]], torch.full((2, 4), 99.0))
+    assert overlay.patch("other", query, out) == 0 and overlay.patch("empty", query, out) == 0
+    with pytest.raises(ValueError, match="3 keys for 4 rows"):
+        Overlay({"t": (keys[:3], rows)})
