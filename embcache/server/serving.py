@@ -253,9 +253,7 @@ class ServedModel:
         overlay = staged.overlay()
         t0 = time.perf_counter()
         with self.gate.switching():
-            for cfg in staged.new_tables:
-                self.cache.create_table(cfg)
-            self._delete(staged)
+            self._begin(staged)
             self._pending, self._overlay = staged, overlay
             self.version, self.created_unix = version.version, version.created_unix
         took = time.perf_counter() - t0
@@ -293,11 +291,9 @@ class ServedModel:
         return names
 
     def _write(self, staged: _Staged) -> None:
-        """Carry out a staged version while nothing reads: tables created, rows written, keys deleted."""
-        for cfg in staged.new_tables:
-            self.cache.create_table(cfg)
+        """Carry out a staged version while nothing reads: tables created, keys deleted, rows written."""
+        self._begin(staged)
         self._write_rows(staged, _IMPORT_CHUNK)
-        self._delete(staged)
 
     def _write_rows(self, staged: _Staged, chunk: int) -> None:
         """Write the staged rows into the store, ``chunk`` rows a call (memory copies refreshed in place)."""
@@ -305,8 +301,11 @@ class ServedModel:
             for start in range(0, keys.shape[0], chunk):
                 self.cache.import_rows(name, keys[start:start + chunk], records[start:start + chunk], refresh=True)
 
-    def _delete(self, staged: _Staged) -> None:
-        """Delete the keys the staged version deletes."""
+    def _begin(self, staged: _Staged) -> None:
+        """The part of a staged version that comes before its rows: the tables it adds created, the
+        keys it deletes deleted (never among its rows: ``_stage`` keeps them apart)."""
+        for cfg in staged.new_tables:
+            self.cache.create_table(cfg)
         for name, keys in staged.deleted.items():
             if keys.size:
                 self.cache.delete_rows(name, keys)
