@@ -127,6 +127,14 @@ def _import_embcache() -> tuple[Any, Any, Any]:
     return EmbeddingCache, CacheConfig, TableConfig
 
 
+def _row_bytes(tmp: str, table: Any) -> int:
+    """Bytes one resident row of ``table`` costs, from a small probe cache under ``tmp``."""
+    embedding_cache, cache_config, _ = _import_embcache()
+    probe_cfg = cache_config(hbm_bytes=1 << 20, ddr_bytes=0, path=str(Path(tmp) / "probe"), store="rocksdb")
+    with embedding_cache(probe_cfg, tables=[table]) as probe:
+        return int(probe.row_bytes(table.name))
+
+
 def embcache_hit_ratio(trace: np.ndarray, capacity_rows: int, policy: str, batch_size: int) -> dict[str, Any]:
     """Replay ``trace`` through a real EmbeddingCache; its HBM hit ratio and what was measured.
 
@@ -148,10 +156,7 @@ def embcache_hit_ratio(trace: np.ndarray, capacity_rows: int, policy: str, batch
     embedding_cache, cache_config, table_config = _import_embcache()
     table = table_config(name="t", dim=4, optimizer="sgd")
     with tempfile.TemporaryDirectory(prefix="embcache-bench-") as tmp:
-        # Probe the per-row cost, then size HBM to exactly capacity_rows rows.
-        probe_cfg = cache_config(hbm_bytes=1 << 20, ddr_bytes=0, path=str(Path(tmp) / "probe"), store="rocksdb")
-        with embedding_cache(probe_cfg, tables=[table]) as probe:
-            row_bytes = int(probe.row_bytes("t"))
+        row_bytes = _row_bytes(tmp, table)  # then size HBM to exactly capacity_rows rows
         cfg = cache_config(
             hbm_bytes=capacity_rows * row_bytes,
             ddr_bytes=0,
@@ -193,9 +198,7 @@ def bookkeeping_bytes(dim: int = 64, rows: int = 100_000) -> dict[str, Any]:
     embedding_cache, cache_config, table_config = _import_embcache()
     table = table_config(name="t", dim=dim, optimizer="rowwise_adagrad")
     with tempfile.TemporaryDirectory(prefix="embcache-bench-") as tmp:
-        probe_cfg = cache_config(hbm_bytes=1 << 20, ddr_bytes=0, path=str(Path(tmp) / "probe"), store="rocksdb")
-        with embedding_cache(probe_cfg, tables=[table]) as probe:
-            row_bytes = int(probe.row_bytes("t"))
+        row_bytes = _row_bytes(tmp, table)
         cfg = cache_config(hbm_bytes=rows * row_bytes, ddr_bytes=rows * row_bytes, path=str(Path(tmp) / "cache"),
                            store="rocksdb")
         out: dict[str, Any] = {"dim": dim, "dtype": "float32", "optimizer": "rowwise_adagrad",
