@@ -10,7 +10,7 @@ An export of one table, dim 64, 200,000 rows (fp32), version 1 written in full b
 --follow-interval-seconds 0.05`` on 127.0.0.1 serves it, tiers large enough for every row (the
 service path and the version switch are measured, not the disk; every row is looked up once
 before the phases, so all are resident). A client looks up 4,096
-uniformly drawn keys at a time, one lookup after another, in two phases:
+uniformly drawn keys at a time, one lookup after another, in three phases:
 
 * **steady**: no new version appears;
 * **exporting elsewhere**: a process of its own (the trainer's side) writes a delta version
