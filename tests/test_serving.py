@@ -508,3 +508,46 @@ def test_an_overlay_patches_exactly_the_rows_it_holds(dtype: torch.dtype) -> Non
     assert overlay.patch("other", query, out) == 0 and overlay.patch("empty", query, out) == 0
     with pytest.raises(ValueError, match="3 keys for 4 rows"):
         Overlay({"t": (keys[:3], rows)})
+
+
+def test_sigkill_while_a_switched_version_is_written_then_a_restart_serves_it_whole(
+        tmp_path: Path, client_of: Callable[[LocalServer], Client]) -> None:
+    """kill -9 of a following server while a version it switched to is still being written into
+    its store (its overlay serving the rows meanwhile): lookups before the kill see that version's
+    rows exactly, and a server restarted on the same path serves the newest complete version
+    whole, then follows the next one."""
+    export = tmp_path / "export"
+    keys = np.arange(200_000, dtype=np.int64)  # 200k rows a version: writing them takes a while
+
+    def write(v: int) -> None:
+        part = {"a": TablePart(config=TableConfig(name="a", dim=4).to_dict(), keys=keys,
+                               weights=np.full((keys.size, 4), float(v), dtype=np.float32))}
+        write_version(str(export), v, "full" if v == 1 else "delta", part, base_version=None if v == 1 else v - 1)
+
+    def assert_serves(client: Client, v: int) -> None:
+        rows = client.lookup("a", keys)
+        assert torch.equal(rows, torch.full((keys.size, 4), float(v))), (v, rows.unique().tolist())
+
+    write(1)
+    server = _serve(tmp_path, export, *FOLLOW)
+    client = client_of(server)
+    caught = 0
+    for v in range(2, 8):
+        write(v)
+        _wait_version(client, v)  # switched to: the rows of version v - 1 were all written before
+        if _metric(server, "embcache_serving_pending_rows") > 0:  # v's rows still being written
+            sample = keys[::200]  # rows from the overlay and the cache: one version
+            assert torch.equal(client.lookup("a", sample), torch.full((sample.size, 4), float(v)))
+            if _metric(server, "embcache_serving_pending_rows") > 0:
+                server.kill()
+                caught = v
+                break
+        assert_serves(client, v)
+    assert caught, "no version was caught while its rows were being written"
+    restarted = _serve(tmp_path, export, *FOLLOW)
+    again = client_of(restarted)
+    assert again.server_info()[0]["serving_version"] == caught
+    assert_serves(again, caught)
+    write(caught + 1)
+    _wait_version(again, caught + 1)
+    assert_serves(again, caught + 1)
