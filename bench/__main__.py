@@ -184,10 +184,22 @@ SERVED_CODE = ("embcache/server", "embcache/rpc", "embcache/client", "embcache/c
                "embcache/reshard.py", "embcache/ring.py")
 
 
+# The code only TorchIndex runs: the cache's key index on a GPU, and on the CPU only where numba
+# is missing, which no benchmark's environment is (each records numba's version). Only the
+# benchmarks that time a device's index (``device``: index, gpu) depend on it.
+TORCH_INDEX_CODE = ("embcache/index/torch_index.py", "embcache/index/triton_probe.py")
+
+
+def _depends_on(b: Bench, path: str) -> bool:
+    """Whether ``b``'s results can move with a change to ``path`` (a file under ``embcache/``)."""
+    return (b.served or not path.startswith(SERVED_CODE)) and (b.device or not path.startswith(TORCH_INDEX_CODE))
+
+
 def code_paths(b: Bench) -> list[str]:
     """Git pathspecs of the code ``b``'s results depend on: ``embcache/`` (less the served code
-    unless ``b.served``) and ``b``'s script."""
-    excluded = [] if b.served else [f":(exclude){p}" for p in SERVED_CODE]
+    unless ``b.served``, less TorchIndex's unless ``b.device``) and ``b``'s script."""
+    excluded = ([] if b.served else [f":(exclude){p}" for p in SERVED_CODE]) + \
+        ([] if b.device else [f":(exclude){p}" for p in TORCH_INDEX_CODE])
     return ["embcache", *excluded, f"bench/{b.script}"]
 
 
@@ -210,7 +222,7 @@ def provenance(b: Bench, doc: dict[str, Any]) -> dict[str, Any]:
     if when is None and isinstance(m.get("unix_time"), (int, float)):
         when = datetime.datetime.fromtimestamp(m["unix_time"], datetime.timezone.utc).isoformat(timespec="seconds")
     dirty_paths = [p for p in m.get("git_dirty_paths") or []
-                   if (p.startswith("embcache/") and (b.served or not p.startswith(SERVED_CODE)))
+                   if (p.startswith("embcache/") and _depends_on(b, p))
                    or p == f"bench/{b.script}"]
     latest = latest_change(b)
     if not commit:

@@ -13,6 +13,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Without a GPU (CI), Triton's interpreter runs the fused probe kernel on CPU tensors
+# (tests/test_triton_probe.py); it must be chosen before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from embcache import CacheConfig, EmbeddingCache, TableConfig
 from embcache.optim import state_width
 from embcache.tier import resident_row_bytes

@@ -138,15 +138,26 @@ def test_only_the_server_benchmark_goes_stale_when_only_server_or_client_code_ch
     by_name = {b.name: b for b in runner.SUITE}
     server, scale = by_name["server"], by_name["scale"]
     assert [b.name for b in runner.SUITE if b.served] == ["server", "overload", "reshard", "serving"]
-    assert not any(p.startswith(":(exclude)") for p in runner.code_paths(server))
+    assert not any(p.startswith(":(exclude)embcache/server") for p in runner.code_paths(server))
     for b in (server, scale):
         commit = runner.latest_change(b)["commit"]
         assert commit is not None
         # against the first parent: a merge's own --name-only lists only what differs from every parent
         changed = _git("diff", "--name-only", f"{commit}^1", commit).splitlines()
         relevant = [p for p in changed if p == f"bench/{b.script}" or (
-            p.startswith("embcache/") and (b.served or not p.startswith(runner.SERVED_CODE)))]
+            p.startswith("embcache/") and runner._depends_on(b, p))]
         assert relevant, (b.name, commit, changed)
+
+
+def test_only_the_device_benchmarks_go_stale_when_only_torch_index_code_changes() -> None:
+    """TorchIndex (and its Triton probe) runs as the cache's index on a GPU only (numba's index on the
+    CPU, in every benchmark's environment): a change there moves only the benchmarks that time it."""
+    assert [b.name for b in runner.SUITE if b.device] == ["index", "gpu"]
+    for b in runner.SUITE:
+        for path in runner.TORCH_INDEX_CODE:
+            assert runner._depends_on(b, path) == b.device, (b.name, path)
+            assert (f":(exclude){path}" in runner.code_paths(b)) != b.device
+        assert runner._depends_on(b, "embcache/index/numba_index.py")
 
 
 def test_report_states_each_results_commit_and_marks_stale_ones(tmp_path: Path) -> None:

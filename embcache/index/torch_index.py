@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -58,10 +61,18 @@ class TorchIndex(KeyIndex):
         capacity: the most keys it must hold at once (>= 1).
         device: where the table lives.
         bucket_width: entries per bucket ``B``; one bucket of keys is ``B * 8`` bytes.
+        fused: probe (and touch and gather) in one Triton kernel (:mod:`embcache.index.triton_probe`)
+            rather than ~30 torch ops; None (the default): on a GPU when triton imports. True on the
+            CPU runs the kernel under Triton's interpreter (tests). Should the kernel fail to build
+            on this machine, the index warns once and goes on in torch ops.
     """
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu", bucket_width: int = 8) -> None:
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", bucket_width: int = 8,
+                 fused: bool | None = None) -> None:
         super().__init__(capacity, device)
+        if fused and _triton_probe() is None:
+            raise ValueError("TorchIndex(fused=True) needs triton (pip install 'embcache[gpu]')")
+        self.fused = (self.device.type == "cuda" and _triton_probe() is not None) if fused is None else bool(fused)
         if bucket_width < 8 or bucket_width % 8:
             raise ValueError(f"bucket_width must be a positive multiple of 8, got {bucket_width}")
         self.bucket_width = int(bucket_width)
@@ -153,10 +164,55 @@ class TorchIndex(KeyIndex):
         keys = keys.reshape(-1)
         if keys.numel() == 0 or self._len == 0:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
+        found = self._fused_probe(keys)
+        if found is not None:
+            return found[0]
         h = mix64(keys)
         if self.device.type == "cpu":
             return self._find_two_pass(keys, h)
         return self._find_one_pass(keys, h)
+
+    def find_touch(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float,
+                   now: int) -> tuple[torch.Tensor, int]:
+        """As :meth:`KeyIndex.find_touch`; one kernel launch when :attr:`fused`."""
+        keys = keys.reshape(-1)
+        if keys.numel() and freq.dtype == torch.float64 and last.dtype == torch.int64:
+            found = self._fused_probe(keys, freq, last, touch=(freq, last, inc, now), count=True)
+            if found is not None:
+                return found[0], int(found[1])  # type: ignore[arg-type]  # the one host sync
+        return super().find_touch(keys, freq, last, inc, now)
+
+    def find_touch_gather(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float, now: int,
+                          rows: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """As :meth:`KeyIndex.find_touch_gather`; one kernel launch when :attr:`fused`."""
+        keys = keys.reshape(-1)
+        if (keys.numel() and freq.dtype == torch.float64 and last.dtype == torch.int64 and rows.dim() == 2
+                and rows.stride(1) == 1 and out.stride(1) == 1):
+            found = self._fused_probe(keys, freq, last, rows, out, touch=(freq, last, inc, now), gather=(rows, out),
+                                      count=True)
+            if found is not None:
+                return found[0], int(found[1])  # type: ignore[arg-type]  # the one host sync
+        return super().find_touch_gather(keys, freq, last, inc, now, rows, out)
+
+    def _fused_probe(self, keys: torch.Tensor, *tensors: torch.Tensor,
+                     **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The Triton kernel's ``(slots, count)`` for ``keys`` (and the ``touch``/``gather``/``count`` of
+        ``kw``); None where it does not apply (not :attr:`fused`, or a tensor subclass such as the
+        test suite's CUDA stand-in, whose data the kernel cannot reach) or it failed to build."""
+        if not self.fused or any(type(t) is not torch.Tensor for t in (keys, *tensors)):
+            return None
+        mod = _triton_probe()
+        assert mod is not None
+        try:
+            return mod.probe(keys.contiguous(), self._keys_flat, self._slots_flat, self._nb, self.bucket_width,
+                             self._stash_keys, self._stash_slots, **kw)
+        except Exception as exc:  # e.g. no C compiler for Triton's launcher: the torch ops still work
+            if mod.interpreted() or self.device.type == "cpu":
+                raise  # a bug in the kernel, not a machine without the tools to build it
+            self.fused = False
+            warnings.warn(f"TorchIndex: the fused Triton probe failed to run ({exc!r}); using torch ops",
+                          RuntimeWarning, stacklevel=3)
+            return None
 
     def _find_one_pass(self, keys: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         # Both buckets in one gather and no host sync (the GPU path): bandwidth is cheap there,
@@ -379,3 +435,18 @@ class TorchIndex(KeyIndex):
             self._slots.fill_(-1)
             self._set_stash(self._stash_keys[:0], self._stash_slots[:0])
         self._len = 0
+
+
+_PROBE: list[ModuleType | None] = []
+
+
+def _triton_probe() -> ModuleType | None:
+    """:mod:`embcache.index.triton_probe`, or None where triton does not import (imported once)."""
+    if not _PROBE:
+        try:
+            from . import triton_probe
+        except ImportError:
+            _PROBE.append(None)
+        else:
+            _PROBE.append(triton_probe)
+    return _PROBE[0]
