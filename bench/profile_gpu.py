@@ -47,6 +47,7 @@ from bench._common import machine_info, markdown_table, write_json  # noqa: E402
 from bench.bench_gpu import (  # noqa: E402
     OPTIMIZER,
     TABLE,
+    WARMUP_CALLS,
     CudaUnavailable,
     fill,
     make_sync,
@@ -60,8 +61,10 @@ from embcache.tier import resident_row_bytes  # noqa: E402
 
 
 def issue_and_synced(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> dict[str, float]:
-    """Median host time per call of ``fn`` issued back to back, and median time of a synced call (s)."""
-    fn()
+    """Median host time per call of ``fn`` issued back to back, and median time of a synced call (s),
+    after WARMUP_CALLS calls (the sampler's pinned buffers in steady state: see bench_gpu)."""
+    for _ in range(WARMUP_CALLS):
+        fn()
     sync()
     issue = []
     for _ in range(reps):
@@ -84,7 +87,8 @@ def profiled(fn: Callable[[], object], reps: int, sync: Callable[[], None], devi
     """``reps`` calls of ``fn`` under torch.profiler: kernels per call and the top operators by host time."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    fn()
+    for _ in range(WARMUP_CALLS):
+        fn()
     sync()
     with profile(activities=activities) as prof:
         for _ in range(reps):

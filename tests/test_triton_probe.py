@@ -117,7 +117,7 @@ def test_touch_and_gather_match_the_torch_ops_bitwise(dev: torch.device, dtype: 
     assert counts[0] == counts[1] == 300 + 20 + 50 + 40
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0][300:370][20:], torch.full((50, dim), -7.0, device=dev))
-    for a, b in zip(states[0], states[1]):
+    for a, b in zip(states[0], states[1], strict=True):
         assert torch.equal(a, b)
     f, la = freq.clone(), last.clone()
     slots, hits = fused.find_touch(q, f, la, inc, now)  # without the gather
@@ -138,6 +138,9 @@ def test_the_default_is_fused_on_a_gpu_only() -> None:
     assert not TorchIndex(10, "cpu").fused
     if REAL_CUDA:
         assert TorchIndex(10, "cuda").fused
+    if not triton_probe.interpreted():  # compiled: CPU tensors cannot reach the kernel
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            TorchIndex(10, "cpu", fused=True)
 
 
 def test_a_kernel_error_on_the_cpu_is_raised_not_hidden(dev: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,7 +167,11 @@ def test_a_cache_reads_and_trains_the_same_through_the_fused_probe(dev: torch.de
     import embcache.tier as tier
 
     def run(fused: bool, path: str) -> list[torch.Tensor]:
-        monkeypatch.setattr(tier, "make_index", lambda cap, device: TorchIndex(cap, device, fused=fused))
+        def make_index(cap: int, device: torch.device | str) -> TorchIndex:  # the DDR tier's too, where it can
+            on_cpu = torch.device(device).type == "cpu"
+            return TorchIndex(cap, device, fused=fused and (not on_cpu or triton_probe.interpreted()))
+
+        monkeypatch.setattr(tier, "make_index", make_index)
         table = TableConfig(name="t", dim=16, optimizer="rowwise_adagrad", lr=0.05, seed=1)
         rb = tier.resident_row_bytes(16, torch.float32, state_width("rowwise_adagrad", 16))
         cfg = CacheConfig(hbm_bytes=600 * rb, ddr_bytes=1200 * rb, path=path, device=str(dev))
@@ -181,5 +188,5 @@ def test_a_cache_reads_and_trains_the_same_through_the_fused_probe(dev: torch.de
         return seen
 
     got, want = run(True, str(tmp_path / "fused")), run(False, str(tmp_path / "plain"))
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

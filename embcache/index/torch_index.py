@@ -70,8 +70,13 @@ class TorchIndex(KeyIndex):
     def __init__(self, capacity: int, device: torch.device | str = "cpu", bucket_width: int = 8,
                  fused: bool | None = None) -> None:
         super().__init__(capacity, device)
-        if fused and _triton_probe() is None:
-            raise ValueError("TorchIndex(fused=True) needs triton (pip install 'embcache[gpu]')")
+        if fused:
+            mod = _triton_probe()
+            if mod is None:
+                raise ValueError("TorchIndex(fused=True) needs triton (pip install 'embcache[gpu]')")
+            if self.device.type == "cpu" and not mod.interpreted():
+                raise ValueError("TorchIndex(fused=True) on the CPU runs the kernel under Triton's interpreter: "
+                                 "set TRITON_INTERPRET=1 before triton is imported")
         self.fused = (self.device.type == "cuda" and _triton_probe() is not None) if fused is None else bool(fused)
         if bucket_width < 8 or bucket_width % 8:
             raise ValueError(f"bucket_width must be a positive multiple of 8, got {bucket_width}")
