@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import __main__ as runner
-from bench import bench_dlrm, bench_gpu, bench_index, bench_policy, bench_scale, bench_serving
+from bench import bench_dlrm, bench_gpu, bench_index, bench_policy, bench_scale, bench_serving, profile_gpu
 from bench._common import format_ratio, machine_info
 from bench.readme import target_table
 
@@ -70,6 +70,20 @@ def test_bench_gpu_on_cpu_writes_positive_rates(tmp_path: Path) -> None:
     _check_header(doc, "bench/bench_gpu.py")
     md = (tmp_path / "gpu.md").read_text()
     assert "syncs/call" in md and "Pipelined" in md and "25% of 4,096 in HBM" in md
+
+
+def test_profile_gpu_on_cpu_splits_a_lookup_into_its_parts(tmp_path: Path) -> None:
+    assert profile_gpu.main(["--device", "cpu", "--rows", "4096", "--batch", "512", "--reps", "3",
+                             "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "gpu-profile.json").read_text())
+    assert set(doc["parts"]) == {"lookup", "update", "find_touch_gather", "index.find", "index_select", "mrc.observe"}
+    for part in doc["parts"].values():
+        assert part["issue_s"] > 0 and part["synced_s"] > 0
+    for op in ("lookup", "update"):
+        p = doc["profile"][op]
+        assert p["kernels_per_call"] == 0 and p["ops"] and p["op_host_us_per_call"] > 0  # no kernels on the CPU
+    assert "| lookup " in (tmp_path / "gpu-profile.md").read_text()
+    _check_header(doc, "bench/profile_gpu.py")
 
 
 def test_bench_gpu_records_a_failed_phase_and_goes_on(tmp_path: Path) -> None:
