@@ -279,10 +279,12 @@ class FrequencySketch:
         self.counts.mul_(factor)
 
     def to_bytes(self) -> bytes:
-        """Serialize the counters (npy format)."""
-        buf = io.BytesIO()
-        np.save(buf, self.counts.cpu().numpy())
-        return buf.getvalue()
+        """Serialize the counters (npy format), copying them once (a table's sketch is up to 128 MiB:
+        ``np.save`` into a growing buffer, then ``getvalue()``, held two to three copies at once)."""
+        arr = np.ascontiguousarray(self.counts.cpu().numpy())
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(arr))
+        return b"".join((header.getvalue(), arr.data.cast("B")))
 
     def load_bytes(self, data: bytes) -> None:
         """Load counters from :meth:`to_bytes`; a sketch of another width is folded or ignored."""

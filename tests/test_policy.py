@@ -159,3 +159,37 @@ def test_idle_halving_is_validated(tmp_path: Any) -> None:
         with pytest.raises(ConfigError, match="idle_halving"):
             CacheConfig(path=str(tmp_path), idle_halving=bad, validate_memory=False)
     assert CacheConfig(path=str(tmp_path), idle_halving=math.inf, validate_memory=False).idle_halving == math.inf
+
+
+def test_sketch_bytes_are_npy_and_a_close_saves_the_same_sketch_in_chunks(tmp_path: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sketch is serialized with one copy, in np.save's format; resident rows are raised into it
+    a chunk of slots at a time (a big table's all at once was the peak of its close), to the same
+    counters as all at once."""
+    import io
+
+    import numpy as np
+
+    from embcache import CacheConfig, EmbeddingCache, TableConfig
+    from embcache.engine import table as table_mod
+
+    sketch = FrequencySketch(1024)
+    sketch.add(torch.arange(300), torch.rand(300, dtype=torch.float64))
+    buf = io.BytesIO()
+    np.save(buf, sketch.counts.numpy())
+    assert sketch.to_bytes() == buf.getvalue()
+
+    def saved(chunk: int, path: str) -> torch.Tensor:
+        monkeypatch.setattr(table_mod, "_SAVE_CHUNK", chunk)
+        cfg = CacheConfig(hbm_bytes=200 * 1024, ddr_bytes=400 * 1024, path=path)
+        with EmbeddingCache(cfg, [TableConfig(name="t", dim=8, optimizer="sgd", lr=0.1, seed=1)]) as cache:
+            g = torch.Generator().manual_seed(3)
+            for _ in range(20):
+                cache.lookup("t", torch.randint(0, 5000, (400,), generator=g) ** 2 // 5000)
+            t = cache._tables["t"]
+            assert t.hbm.capacity > 7 and len(t.hbm.occupied_slots()) > 7 and len(t.ddr.occupied_slots()) > 7
+            t.save_frequencies()
+            return t.sketch.counts.clone()
+
+    whole, chunked = saved(1 << 20, str(tmp_path / "a")), saved(7, str(tmp_path / "b"))
+    assert bool(whole.any()) and torch.equal(whole, chunked)
