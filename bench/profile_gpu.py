@@ -43,7 +43,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from bench._common import machine_info, markdown_table, write_json  # noqa: E402
+from bench._common import machine_info, markdown_table, timings, write_json  # noqa: E402
 from bench.bench_gpu import (  # noqa: E402
     OPTIMIZER,
     TABLE,
@@ -66,11 +66,7 @@ def issue_and_synced(fn: Callable[[], object], reps: int, sync: Callable[[], Non
     for _ in range(WARMUP_CALLS):
         fn()
     sync()
-    issue = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        issue.append(time.perf_counter() - t0)
+    issue = timings(fn, reps, warmup=0)
     sync()
     synced = []
     for _ in range(reps):
