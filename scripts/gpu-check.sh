@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One run of everything that needs a real GPU, on a machine that has one (CI has none):
 #   1. bench/bench_gpu.py --quick: HBM-tier lookups and updates, all hits and with misses (keys/s, syncs per call),
+#      bench/profile_gpu.py: where an all-hit lookup's and update's host time goes (kernels, operators),
 #      and bench/syncs_per_call.py: the host syncs of each budgeted public call, counted on the device;
 #   2. the main job (python -m examples.dlrm, defaults; on CUDA where present);
 #   3. the test suite on the real device (tests/realcuda.py: the CUDA fixtures run on the GPU, host syncs
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-check-out}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
-test_s="${1:-200}"
+test_s="${1:-320}"  # the whole suite took ~290 s on 16 cores (H100, 2026-11-26)
 demo_s="${2:-150}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -39,6 +40,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     t0=$SECONDS
     timeout 75 "$py" bench/bench_gpu.py --quick --out "$out" 2>&1 | tee "$out/bench.log"
     echo "bench rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s" | tee -a "$out/bench.log"
+    echo "== profile_gpu"
+    timeout 60 "$py" bench/profile_gpu.py --out "$out" >"$out/profile.log" 2>&1
+    echo "profile rc=$?" | tee -a "$out/profile.log"
+    head -n 14 "$out/gpu-profile.md" 2>/dev/null
 fi
 
 echo "== host syncs per public call"
