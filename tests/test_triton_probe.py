@@ -190,3 +190,26 @@ def test_a_cache_reads_and_trains_the_same_through_the_fused_probe(dev: torch.de
     got, want = run(True, str(tmp_path / "fused")), run(False, str(tmp_path / "plain"))
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_triton_the_kernel_does_not_fit_leaves_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without triton, or with one whose API the kernel's module cannot use (an old release, say),
+    the cache must still work on a GPU: the index uses its torch ops (warning in the second case)."""
+    from embcache.index import torch_index
+
+    def fails(exc: Exception) -> Any:
+        def import_module(name: str) -> Any:
+            raise exc
+        return import_module
+
+    monkeypatch.setattr(torch_index, "_PROBE", [])
+    monkeypatch.setattr(torch_index.importlib, "import_module", fails(ImportError("No module named 'triton'")))
+    assert torch_index._triton_probe() is None
+    monkeypatch.setattr(torch_index, "_PROBE", [])
+    monkeypatch.setattr(torch_index.importlib, "import_module",
+                        fails(TypeError("jit() got an unexpected keyword argument 'do_not_specialize'")))
+    with pytest.warns(RuntimeWarning, match="fused Triton probe is unavailable"):
+        assert torch_index._triton_probe() is None
+    assert torch_index._triton_probe() is None  # decided once
+    with pytest.raises(ValueError, match="needs triton"):
+        TorchIndex(10, "cpu", fused=True)

@@ -31,6 +31,7 @@ of two and the table is sized to the load, not rounded up:
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 import warnings
@@ -449,8 +450,12 @@ def _triton_probe() -> ModuleType | None:
     """:mod:`embcache.index.triton_probe`, or None where triton does not import (imported once)."""
     if not _PROBE:
         try:
-            from . import triton_probe
-        except ImportError:
+            triton_probe = importlib.import_module(f"{__package__}.triton_probe")
+        except ImportError:  # no triton: the torch ops
+            _PROBE.append(None)
+        except Exception as exc:  # a triton whose API this kernel does not fit (e.g. too old): the torch ops
+            warnings.warn(f"TorchIndex: the fused Triton probe is unavailable ({exc!r}); using torch ops",
+                          RuntimeWarning, stacklevel=2)
             _PROBE.append(None)
         else:
             _PROBE.append(triton_probe)
