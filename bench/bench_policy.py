@@ -208,7 +208,9 @@ def bookkeeping_bytes(dim: int = 64, rows: int = 100_000) -> dict[str, Any]:
             engine = cache._tables["t"]
             for name, tier in (("hbm", engine.hbm), ("ddr", engine.ddr)):
                 payload = tier.weights.element_size() * tier.weights.shape[1] + 4 * tier.state.shape[1]
-                allocated = sum(a.numel() * a.element_size() for a in tier.arrays()) + int(tier.index.nbytes)
+                # the per-row arrays, the key index and what the list of freed slots holds now
+                allocated = (sum(a.numel() * a.element_size() for a in tier.arrays()) + int(tier.index.nbytes)
+                             + tier.free_list_bytes)
                 out[name] = {"capacity": int(tier.capacity), "resident": len(tier), "payload_bytes": payload,
                              "bookkeeping_bytes": allocated / tier.capacity - payload}
     out["bookkeeping_bytes"] = max(out[t]["bookkeeping_bytes"] for t in ("hbm", "ddr"))

@@ -102,7 +102,8 @@ class Policy:
     """How rows are scored for eviction and whether admission applies.
 
     ``score(freq, last, clock)`` gives the float64 scores of rows with aged frequencies ``freq``
-    and last-access ticks ``last`` at the table's ``clock`` (the larger, the longer a row stays).
+    (float32, as the tiers keep them, or float64) and last-access ticks ``last`` at the table's
+    ``clock`` (the larger, the longer a row stays).
     """
 
     name: str
@@ -112,7 +113,7 @@ class Policy:
 
 
 def _score_freq(freq: torch.Tensor, last: torch.Tensor, clock: Clock) -> torch.Tensor:
-    return freq
+    return freq.to(torch.float64)
 
 
 def _score_last(freq: torch.Tensor, last: torch.Tensor, clock: Clock) -> torch.Tensor:
@@ -132,6 +133,7 @@ def idle_discount_rate(clock: Clock, idle_halving: float) -> float:
 def _score_discounted(idle_halving: float) -> Callable[[torch.Tensor, torch.Tensor, Clock], torch.Tensor]:
     def score(freq: torch.Tensor, last: torch.Tensor, clock: Clock) -> torch.Tensor:
         a = idle_discount_rate(clock, idle_halving)
+        freq = freq.to(torch.float64)  # the tiers keep float32
         if a == 0.0 or freq.numel() == 0:
             return freq
         idle = (clock.now - last).to(torch.float64).clamp_(min=0)
@@ -149,7 +151,7 @@ def make_policy(spec: str | ScoreFn, admission: bool, idle_halving: float = DEFA
         user = spec
 
         def _score_user(freq: torch.Tensor, last: torch.Tensor, clock: Clock) -> torch.Tensor:
-            out = user(freq, last, clock.now)
+            out = user(freq.to(torch.float64), last, clock.now)
             if not isinstance(out, torch.Tensor) or out.shape != freq.shape:
                 raise TypeError(f"user score function must return a tensor of shape {tuple(freq.shape)}")
             return out.to(freq.device, torch.float64)  # a host result serves a GPU tier too

@@ -7,7 +7,7 @@ LFU, embcache's own policy (``lrfu``, with admission) and Belady's optimum (OPT,
 policy beats), at capacities from 0.1% to 100% of the distinct keys. It prints the curves,
 plots them (PNG), and finds by bisection the smallest capacity that reaches each target hit
 ratio, in rows and in bytes for the table's dim, dtype and optimizer (a resident row carries
-its weights, its optimizer state, 32 bytes of bookkeeping and up to 24 bytes of key index).
+its weights, its optimizer state, 24 bytes of bookkeeping and 8 bytes of key index on the CPU).
 It also gives the store's (SSD tier's) payload: every distinct key of the trace ends up there
 once trained, as a record of its weights and optimizer state plus its 8-byte key.
 

@@ -14,30 +14,36 @@ from typing import Protocol
 import torch
 
 from .errors import ConfigError
+from .free_slots import FreeSlots
 from .fused import FusedScratch
 from .hostmem import host_zeros
-from .index import make_index
+from .index import NumbaIndex, index_kind, make_index
+from .index.numba_index import ROW_BYTES as NUMBA_ROW_BYTES
 from .sample_filter import distinct_evictable
 from .slot_table import SlotTable
 from .types import Tier
 
-__all__ = ["DIRTY", "MAX_TIER_ROWS", "OCCUPIED", "PIN", "MemoryTier", "RowBatch", "ScoreOf", "release_cached_memory",
-           "resident_row_bytes", "to_device", "to_host"]
+__all__ = ["DIRTY", "MAX_TIER_ROWS", "OCCUPIED", "PIN", "MemoryTier", "RowBatch", "ScoreOf", "index_row_bytes",
+           "release_cached_memory", "resident_row_bytes", "to_device", "to_host"]
 
-# Per-row bookkeeping besides weights and state, every array MemoryTier.arrays() lists: freq
-# (float64, 8), last (int64, 8), key (int64, 8), flags (int32, 4: occupied, dirty and the pin
-# count packed) and the free-slot stack (int32, 4). The scratch of the fused update and of the
-# eviction sample is sized by the batch (embcache/slot_table.py), not per row. freq and last keep
-# their widths: the key index's compiled kernels update them in place as float64 and int64
-# (embcache/index/), and the clock (ticks = key occurrences looked up) is never rebased, so it
-# outgrows int32 within minutes.
-_BOOKKEEPING_BYTES = 32
-# The key index: entries of 12 bytes (key, int32 slot) in tables sized to their load, not rounded
-# up to a power of two. NumbaIndex (CPU): 2 entries per row (load 0.5), 24 bytes. TorchIndex (the
-# CUDA index): 8-entry buckets at load <= 0.55 and a stash, ~22 bytes (TorchIndex.nbytes), until
-# a full stash makes it grow (adversarial keys; not seen at its load). 64 before (16-byte
-# entries, next_pow2(2 x rows) of them).
-_INDEX_BYTES = 24
+# Per-row bookkeeping besides weights and state: one record of 24 bytes per row (MemoryTier.meta,
+# int64 [capacity, 3]) that holds the row's key (int64), its last access tick (int64), its aged
+# frequency (float32) and its flags (int32: occupied, dirty and the pin count packed). A lookup
+# reads the key (to confirm the index's probe), adds to the frequency and stamps the tick of one
+# row: one record, one cache line in 3 of 4 cases (two where the record straddles a line), where
+# three arrays took three. The clock (ticks = key occurrences looked up) is never rebased, so
+# it stays int64. The frequency is float32: an access adds the current increment (at most 2**40
+# times the oldest; Clock renormalizes), and 24 bits of mantissa rank rows as well as 53 did
+# (increments are lost only once a row's count passes 2**24 of them within a half-life). Free
+# slots need no array per row (embcache/free_slots.py). The scratch of the fused update and of
+# the eviction sample is sized by the batch (embcache/slot_table.py), not per row.
+_BOOKKEEPING_BYTES = 24
+# The key index (embcache/index/), per row: NumbaIndex (the CPU index) 8 bytes (4-byte entries of
+# slot and tag at load 0.5; the key is the record's). TorchIndex (the CUDA index, and the CPU's
+# without numba): 8-entry buckets of (key, int32 slot) at load <= 0.55 and a stash, ~22 bytes
+# (TorchIndex.nbytes), counted as 24, until a full stash makes it grow (adversarial keys; not seen
+# at its load).
+_INDEX_BYTES = {"numba": NUMBA_ROW_BYTES, "torch": 24}
 
 
 # The bits of MemoryTier.flags: a row is there, it differs from its stored copy, and its pin count
@@ -51,18 +57,20 @@ PIN = 1 << _PIN_SHIFT
 MAX_TIER_ROWS = 2**31 - 1
 
 
-def _free_stack(capacity: int, device: torch.device) -> torch.Tensor:
-    """Every slot free, as a stack (int32): popping from the end hands out low slots first."""
-    return torch.arange(capacity - 1, -1, -1, dtype=torch.int32, device=device)
+def index_row_bytes(device: torch.device | str) -> int:
+    """Bytes of key index per row of a tier on ``device`` (the index :func:`make_index` builds there)."""
+    return _INDEX_BYTES["numba" if index_kind(torch.device(device)) is NumbaIndex else "torch"]
 
 
-def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int) -> int:
-    """Bytes one resident row costs in a memory tier: weights, optimizer state, bookkeeping, index.
+def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int, device: torch.device | str = "cpu") -> int:
+    """Bytes one resident row costs in a memory tier on ``device``: weights, optimizer state,
+    bookkeeping, key index.
 
     A tier of ``budget`` bytes holds ``budget // resident_row_bytes(...)`` rows and, with
     everything it allocates counted, stays within the budget.
     """
-    return dim * torch.empty(0, dtype=dtype).element_size() + 4 * state_width + _BOOKKEEPING_BYTES + _INDEX_BYTES
+    return (dim * torch.empty(0, dtype=dtype).element_size() + 4 * state_width + _BOOKKEEPING_BYTES
+            + index_row_bytes(device))
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -198,19 +206,21 @@ class MemoryTier:
         self.capacity = capacity
         self.weights = zeros((capacity, self.dim), self._dtype)
         self.state = zeros((capacity, self._state_width), torch.float32)
-        self.freq = zeros((capacity,), torch.float64)
-        self.last = zeros((capacity,), torch.int64)
-        self.keys = zeros((capacity,), torch.int64)
-        # occupied (bit 0), dirty (bit 1) and pins (the rest: holders keeping a row resident, in
-        # steps of PIN) in one int32 per slot; read and change them through the methods below.
-        self.flags = torch.zeros(capacity, dtype=torch.int32, device=device)
-        self.index = make_index(max(capacity, 1), device)
+        # One 24-byte record per row (see _BOOKKEEPING_BYTES): key, last, then freq and flags in
+        # the third int64's halves. The four are strided views of it; occupied (bit 0), dirty
+        # (bit 1) and pins (the rest: holders keeping a row resident, in steps of PIN) share the
+        # flags: read and change them through the methods below.
+        self.meta = zeros((capacity, 3), torch.int64)
+        self.keys = self.meta[:, 0]
+        self.last = self.meta[:, 1]
+        self.freq = self.meta.view(torch.float32)[:, 4]
+        self.flags = self.meta.view(torch.int32)[:, 5]
+        self.index = make_index(max(capacity, 1), device, slot_keys=self.keys if capacity else None)
         # Batch-sized scratch of the compiled CPU kernels (the fused update, the eviction sample's
         # filter), nothing per row; they run under the table's lock, one call at a time.
         self._table = SlotTable()
         self._fused_scratch: FusedScratch | None = None
-        self._free = _free_stack(capacity, device)
-        self._n_free = capacity
+        self._free = FreeSlots(capacity, device, self.occupied_mask)
 
     def _placed(self) -> None:
         # Which key is in which slot changed (insert, remove, clear, a new allocation): what
@@ -224,22 +234,28 @@ class MemoryTier:
         self._allocate(0)
 
     def arrays(self) -> tuple[torch.Tensor, ...]:
-        """Every per-row array the tier allocated (the key index apart)."""
-        return (self.weights, self.state, self.freq, self.last, self.keys, self.flags, self._free)
+        """Every per-row array the tier allocated (the key index apart; ``keys``, ``last``, ``freq``
+        and ``flags`` are views of ``meta``)."""
+        return (self.weights, self.state, self.meta)
 
     # -- sizes ---------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return self.capacity - self._n_free
+        return self.capacity - self._free.n_free
 
     @property
     def free(self) -> int:
         """Free slots."""
-        return self._n_free
+        return self._free.n_free
+
+    @property
+    def free_list_bytes(self) -> int:
+        """Bytes the list of recently freed slots holds now (not per row: 256 KiB at most)."""
+        return self._free.nbytes
 
     @property
     def row_bytes(self) -> int:
         """Bytes one resident row costs (weights, state, bookkeeping and key index)."""
-        return resident_row_bytes(self.dim, self.weights.dtype, self.state.shape[1])
+        return resident_row_bytes(self.dim, self.weights.dtype, self.state.shape[1], self.device)
 
     # -- lookup --------------------------------------------------------------------------------
     def find(self, keys: torch.Tensor) -> torch.Tensor:
@@ -271,8 +287,8 @@ class MemoryTier:
         return self._fused_scratch
 
     def touch(self, slots: torch.Tensor, amounts: torch.Tensor, now: int) -> None:
-        """Add ``amounts`` (float64 [n]) to the aged frequencies of ``slots`` (int64 [n], may repeat)."""
-        self.freq.index_add_(0, slots, to_device(amounts, self.device))
+        """Add ``amounts`` (float [n]) to the aged frequencies of ``slots`` (int64 [n], may repeat)."""
+        self.freq.index_add_(0, slots, to_device(amounts.to(self.freq.dtype), self.device))
         self.last.index_fill_(0, slots, now)
 
     def read(self, slots: torch.Tensor, pinned: bool = True) -> RowBatch:
@@ -358,13 +374,12 @@ class MemoryTier:
             RuntimeError: more rows than free slots (a bug in the caller's planning).
         """
         n = len(rows)
-        if n > self._n_free:
-            raise RuntimeError(f"{self.tier.value} tier: {n} rows do not fit in {self._n_free} free slots")
+        if n > self._free.n_free:
+            raise RuntimeError(f"{self.tier.value} tier: {n} rows do not fit in {self._free.n_free} free slots")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         self._placed()  # first: a failure half-way must not leave remembered slots valid
-        slots = self._free[self._n_free - n:self._n_free].to(torch.int64)
-        self._n_free -= n
+        slots = self._free.take(n)
         rows = rows.to(self.device)
         for column, values in zip(self._columns(), rows._fields()[:5], strict=True):
             column.index_copy_(0, slots, values.to(column.dtype))
@@ -381,9 +396,7 @@ class MemoryTier:
         slots = to_device(slots, self.device)
         self.index.erase(self.keys.index_select(0, slots))
         self.flags.index_fill_(0, slots, 0)
-        n = slots.numel()
-        self._free[self._n_free:self._n_free + n] = slots
-        self._n_free += n
+        self._free.give(slots)
 
     def add_pins(self, slots: torch.Tensor, delta: int, where: torch.Tensor | None = None) -> None:
         """Add ``delta`` to the pin counts of ``slots`` (unique; a count never drops below 0); with
@@ -416,8 +429,7 @@ class MemoryTier:
         self._placed()
         self.index.clear()
         self.flags.zero_()
-        self._free = _free_stack(self.capacity, self.device)
-        self._n_free = self.capacity
+        self._free.clear()
 
     # -- eviction ------------------------------------------------------------------------------
     def lowest(self, k: int, scores_of: ScoreOf, sample: int, exclude: torch.Tensor | None = None,

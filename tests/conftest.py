@@ -34,9 +34,9 @@ def store(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def row_bytes(dim: int, optimizer: str = "sgd") -> int:
-    """Memory bytes one fp32 row costs (MemoryTier.row_bytes)."""
-    return resident_row_bytes(dim, torch.float32, state_width(optimizer, dim))
+def row_bytes(dim: int, optimizer: str = "sgd", device: str = "cpu") -> int:
+    """Memory bytes one fp32 row costs in a tier on ``device`` (MemoryTier.row_bytes)."""
+    return resident_row_bytes(dim, torch.float32, state_width(optimizer, dim), device)
 
 
 def cuda_or_stand_in() -> contextlib.AbstractContextManager[Any]:
@@ -73,10 +73,11 @@ def make_cache(tmp_path: Any, store: str) -> Iterator[Callable[..., EmbeddingCac
     def factory(hbm_rows: int = 4, ddr_rows: int = 8, tables: list[TableConfig] | None = None,
                 path: str | None = None, **kw: Any) -> EmbeddingCache:
         tables = tables or [TableConfig(name="t", dim=8, optimizer="adagrad", lr=0.1, seed=3)]
-        rb = row_bytes(tables[0].dim, tables[0].optimizer)
         n = len(tables)
         kw.setdefault("device", "cpu")
-        cfg = CacheConfig(hbm_bytes=hbm_rows * rb * n, ddr_bytes=ddr_rows * rb * n,
+        rb = row_bytes(tables[0].dim, tables[0].optimizer)
+        hot = row_bytes(tables[0].dim, tables[0].optimizer, kw["device"])  # the GPU's index takes more
+        cfg = CacheConfig(hbm_bytes=hbm_rows * hot * n, ddr_bytes=ddr_rows * rb * n,
                           path=path or str(tmp_path / "store"), store=store, **kw)
         cache = EmbeddingCache(cfg, tables)
         made.append(cache)

@@ -40,8 +40,10 @@ def test_big_arrays_are_aligned_to_huge_pages_and_small_ones_are_plain() -> None
 def test_a_cpu_tier_keeps_its_rows_counters_and_index_on_huge_pages() -> None:
     # 600K rows: every array checked is over the 4 MiB below which memory stays plain
     tier = MemoryTier(Tier.HBM, 600_000, 16, 1, torch.float32, torch.device("cpu"))
-    for name in ("weights", "freq", "last", "keys"):
+    for name in ("weights", "meta"):  # meta: the rows' records (key, last, freq, flags)
         assert getattr(tier, name).data_ptr() % HUGE_PAGE == 0, name
+    for name in ("keys", "last", "freq", "flags"):
+        assert getattr(tier, name).untyped_storage().data_ptr() == tier.meta.data_ptr(), name
     assert tier.index._tab.ctypes.data % HUGE_PAGE == 0  # type: ignore[attr-defined]
     # and it works as a tier: rows put in are found, counted and gathered
     n = 1000

@@ -66,6 +66,17 @@ class Reference:
         self.dev = index.device
 
     def insert(self, keys: list[int], slots: list[int]) -> None:
+        # A tier's slots are distinct and free (NumbaIndex keeps one key per slot): a slot that
+        # is taken, or repeated, becomes the lowest free one.
+        taken = set(self.d.values())
+        free = (s for s in range(self.index.capacity) if s not in taken)
+        fixed: list[int] = []
+        for s in slots:
+            if s in taken or not 0 <= s < self.index.capacity:
+                s = next(x for x in free if x not in taken)
+            taken.add(s)
+            fixed.append(s)
+        slots = fixed
         self.index.insert(t(keys, self.dev), t(slots, self.dev))
         self.d.update(zip(keys, slots, strict=True))
         assert len(self.index) == len(self.d)
@@ -257,7 +268,8 @@ def test_numba_and_torch_agree() -> None:
     for _ in range(20):
         new = rng.integers(I64_MIN, I64_MAX, 600, dtype=np.int64, endpoint=True)
         new = new[~np.isin(new, present)][: capacity - len(present)]
-        slots = rng.integers(0, capacity, new.shape[0])
+        used = set(d[k] for k in present)
+        slots = rng.permutation(np.array([s for s in range(capacity) if s not in used], dtype=np.int64))[:new.shape[0]]
         for ix in indexes:
             ix.insert(torch.from_numpy(new), torch.from_numpy(slots))
         present += new.tolist()
@@ -336,7 +348,7 @@ def test_numba_big_table_on_huge_pages() -> None:
     pytest.importorskip("numba")
     index = NumbaIndex(1 << 18)
     assert index.table_size == math.ceil((1 << 18) / numba_index.LOAD)
-    assert index.nbytes == 12 * index.table_size <= _INDEX_BYTES << 18
+    assert index.nbytes == 4 * index.table_size <= _INDEX_BYTES["numba"] << 18
     keys = torch.from_numpy(np.random.default_rng(5).permutation(1 << 20)[: 1 << 18].astype(np.int64)) - (1 << 19)
     index.insert(keys, torch.arange(keys.numel()))
     assert torch.equal(index.find(keys), torch.arange(keys.numel()))
@@ -387,13 +399,13 @@ def test_find_touch_equals_find_then_touch(n: int) -> None:
     want_slots = None
     for index in indexes:
         index.insert(stored, torch.arange(5000))
-        freq = torch.zeros(5000, dtype=torch.float64)
+        freq = torch.zeros(5000, dtype=torch.float32)
         last = torch.zeros(5000, dtype=torch.int64)
         slots, hits = index.find_touch(keys, freq, last, 0.5, 7)
         assert torch.equal(slots, index.find(keys))
         found = slots[slots >= 0]
         assert hits == found.numel() == n
-        counts = torch.bincount(found, minlength=5000).to(torch.float64)
+        counts = torch.bincount(found, minlength=5000).to(torch.float32)
         torch.testing.assert_close(freq, 0.5 * counts, rtol=0, atol=0)  # every occurrence counted
         assert torch.equal(last, torch.where(counts > 0, 7, 0))
         want_slots = slots if want_slots is None else want_slots
@@ -417,7 +429,7 @@ def test_find_touch_gather_copies_found_rows_and_counts_like_find_touch(n: int, 
     try:
         for index in [make_index(5000, "cpu"), TorchIndex(5000, "cpu")]:
             index.insert(stored, torch.arange(5000))
-            counters = [(torch.zeros(5000, dtype=torch.float64), torch.zeros(5000, dtype=torch.int64))
+            counters = [(torch.zeros(5000, dtype=torch.float32), torch.zeros(5000, dtype=torch.int64))
                         for _ in range(2)]
             want_slots, want_hits = index.find_touch(keys, *counters[0], 0.5, 7)
             out = torch.full((keys.numel(), 13), -3.0)
@@ -440,14 +452,14 @@ def test_indexes_stay_within_the_tiers_index_budget(capacity: int) -> None:
     # The tiers count _INDEX_BYTES of key index per row (tier.py). Rounding TorchIndex's buckets
     # up to a power of two once took it past the count; both are sized to their load now.
     index = TorchIndex(capacity)
-    assert index.nbytes <= _INDEX_BYTES * capacity
+    assert index.nbytes <= _INDEX_BYTES["torch"] * capacity
     keys = torch.randperm(10 * capacity, generator=torch.Generator().manual_seed(capacity))[:capacity] * 7919 - 5
     slots = torch.arange(capacity)
     index.insert(keys, slots)  # full: at most 55% load, no growth
-    assert index.n_buckets == TorchIndex(capacity).n_buckets and index.nbytes <= _INDEX_BYTES * capacity
+    assert index.n_buckets == TorchIndex(capacity).n_buckets and index.nbytes <= _INDEX_BYTES["torch"] * capacity
     assert torch.equal(index.find(keys), slots)
     if index_mod.numba_available():
-        assert NumbaIndex(capacity).nbytes <= _INDEX_BYTES * capacity
+        assert NumbaIndex(capacity).nbytes <= _INDEX_BYTES["numba"] * capacity
 
 
 def test_torch_index_stash_stays_small_under_churn_at_full_load() -> None:

@@ -181,7 +181,7 @@ def test_sketch_bytes_are_npy_and_a_close_saves_the_same_sketch_in_chunks(tmp_pa
 
     def saved(chunk: int, path: str) -> torch.Tensor:
         monkeypatch.setattr(table_mod, "_SAVE_CHUNK", chunk)
-        cfg = CacheConfig(hbm_bytes=200 * 1024, ddr_bytes=400 * 1024, path=path)
+        cfg = CacheConfig(hbm_bytes=100 * 1024, ddr_bytes=400 * 1024, path=path)
         with EmbeddingCache(cfg, [TableConfig(name="t", dim=8, optimizer="sgd", lr=0.1, seed=1)]) as cache:
             g = torch.Generator().manual_seed(3)
             for _ in range(20):

@@ -93,6 +93,16 @@ def test_stashed_keys_are_found(dev: torch.device) -> None:
     assert torch.equal(fused.find(q), plain.find(q))
 
 
+def records(freq: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``freq`` (float32) and ``last`` (int64) as a tier keeps them: strided views of
+    24-byte row records (key, last, then freq and flags)."""
+    meta = torch.zeros(freq.numel(), 3, dtype=torch.int64, device=freq.device)
+    f, la = meta.view(torch.float32)[:, 4], meta[:, 1]
+    f.copy_(freq)
+    la.copy_(last)
+    return f, la
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dim", [1, 5, 64, 130])
 def test_touch_and_gather_match_the_torch_ops_bitwise(dev: torch.device, dtype: torch.dtype, dim: int) -> None:
@@ -101,7 +111,7 @@ def test_touch_and_gather_match_the_torch_ops_bitwise(dev: torch.device, dtype: 
     both(fused, plain, "insert", keys[:400], torch.arange(400, device=dev))
     g = torch.Generator().manual_seed(dim)
     rows = torch.randn(500, dim, generator=g).to(dtype).to(dev)
-    freq = torch.rand(500, generator=g, dtype=torch.float64).to(dev) * 1e6
+    freq = torch.rand(500, generator=g).to(dev) * 1e6
     last = torch.randint(0, 50, (500,), generator=g).to(dev)
     # duplicates (each occurrence counts), misses, a repeated hot key
     q = torch.cat((keys[:300], keys[380:450], keys[:50], keys[7:8].repeat(40)))
@@ -109,7 +119,7 @@ def test_touch_and_gather_match_the_torch_ops_bitwise(dev: torch.device, dtype: 
     outs, states, counts = [], [], []
     for index in (fused, plain):
         out = torch.full((q.numel(), dim), -7.0, device=dev)  # misses' rows must stay as they were
-        f, la = freq.clone(), last.clone()
+        f, la = records(freq, last)
         slots, hits = index.find_touch_gather(q, f, la, inc, now, rows, out)
         outs.append(out)
         states.append((slots, f, la))
@@ -119,7 +129,7 @@ def test_touch_and_gather_match_the_torch_ops_bitwise(dev: torch.device, dtype: 
     assert torch.equal(outs[0][300:370][20:], torch.full((50, dim), -7.0, device=dev))
     for a, b in zip(states[0], states[1], strict=True):
         assert torch.equal(a, b)
-    f, la = freq.clone(), last.clone()
+    f, la = records(freq, last)
     slots, hits = fused.find_touch(q, f, la, inc, now)  # without the gather
     assert hits == counts[1] and torch.equal(slots, states[1][0])
     assert torch.equal(f, states[1][1]) and torch.equal(la, states[1][2])
@@ -129,7 +139,7 @@ def test_an_empty_index_finds_nothing(dev: torch.device) -> None:
     fused, _ = pair(100, dev)
     q = distinct_keys(70, 4, dev)
     out = torch.zeros(70, 3, device=dev)
-    freq, last = torch.zeros(100, dtype=torch.float64, device=dev), torch.zeros(100, dtype=torch.int64, device=dev)
+    freq, last = records(torch.zeros(100, device=dev), torch.zeros(100, dtype=torch.int64, device=dev))
     slots, hits = fused.find_touch_gather(q, freq, last, 1.0, 5, torch.ones(100, 3, device=dev), out)
     assert hits == 0 and bool((slots == -1).all()) and not bool(out.any()) and not bool(freq.any())
 
@@ -167,7 +177,8 @@ def test_a_cache_reads_and_trains_the_same_through_the_fused_probe(dev: torch.de
     import embcache.tier as tier
 
     def run(fused: bool, path: str) -> list[torch.Tensor]:
-        def make_index(cap: int, device: torch.device | str) -> TorchIndex:  # the DDR tier's too, where it can
+        def make_index(cap: int, device: torch.device | str,  # the DDR tier's too, where it can
+                       slot_keys: torch.Tensor | None = None) -> TorchIndex:
             on_cpu = torch.device(device).type == "cpu"
             return TorchIndex(cap, device, fused=fused and (not on_cpu or triton_probe.interpreted()))
 

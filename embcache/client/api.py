@@ -566,7 +566,9 @@ class Client:
         """Bytes of memory one resident row of ``table`` costs (weights, optimizer state, bookkeeping, key index).
 
         Computed from the table's definition by the formula every server of this version uses
-        (``EmbeddingCache.row_bytes``), e.g. to size passes with ``embcache.keyset.split_passes``.
+        (``EmbeddingCache.row_bytes``) for a tier in host memory, e.g. to size passes with
+        ``embcache.keyset.split_passes``; a server whose hot tier is on a GPU counts its GPU index's
+        16 more bytes for the rows there.
 
         Raises:
             UnknownTableError.

@@ -62,7 +62,9 @@ def save_definitions(store: Store, configs: Sequence[TableConfig]) -> None:
 def tier_rows(config: CacheConfig, cfg: TableConfig, configs: Sequence[TableConfig]) -> tuple[int, int]:
     """HBM and DDR rows of ``cfg`` when the tiers' bytes are divided among ``configs`` by memory_share."""
     shares = sum(c.memory_share for c in configs) or 1.0
-    row_bytes = resident_row_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim))
+    width = state_width(cfg.optimizer, cfg.dim)
     frac = cfg.memory_share / shares
-    return (int(config.resolved_hbm_bytes() * frac) // row_bytes,
-            int(config.resolved_ddr_bytes() * frac) // row_bytes)
+    # the hot tier's key index is the device's (the GPU's takes more bytes per row than the host's)
+    hbm_row = resident_row_bytes(cfg.dim, cfg.torch_dtype, width, config.torch_device)
+    ddr_row = resident_row_bytes(cfg.dim, cfg.torch_dtype, width, "cpu")
+    return int(config.resolved_hbm_bytes() * frac) // hbm_row, int(config.resolved_ddr_bytes() * frac) // ddr_row

@@ -12,7 +12,7 @@ which lets tests build colliding keys on purpose.
 - :mod:`~embcache.index.base`: :class:`KeyIndex`, the interface, with the per-access counting
   (``find_touch``) and row gathering (``find_touch_gather``) every index inherits.
 - :mod:`~embcache.index.numba_index`: :class:`NumbaIndex`, open addressing with linear probing
-  in numba kernels (CPU, the hot path).
+  in numba kernels (CPU, the hot path); its entries hold slots and tags, the keys are the tier's.
 - :mod:`~embcache.index.torch_index`: :class:`TorchIndex`, bucketed two-choice hashing in plain
   torch ops (any device, the CUDA path; also the CPU fallback without numba).
 
@@ -36,20 +36,32 @@ from .base import KeyIndex
 from .numba_index import _CHUNK, NumbaIndex, numba_available  # noqa: F401  (_CHUNK: the tests size batches by it)
 from .torch_index import TorchIndex
 
-__all__ = ["KeyIndex", "NumbaIndex", "TorchIndex", "make_index", "mix64", "numba_available", "unmix64"]
+__all__ = ["KeyIndex", "NumbaIndex", "TorchIndex", "index_kind", "make_index", "mix64", "numba_available",
+           "unmix64"]
 
 
-def make_index(capacity: int, device: torch.device | str) -> KeyIndex:
-    """The best index for ``device``: NumbaIndex on CPU when numba imports, else TorchIndex.
+def index_kind(device: torch.device | str) -> type[KeyIndex]:
+    """The index class :func:`make_index` builds on ``device``: NumbaIndex on CPU when numba
+    imports, else TorchIndex."""
+    device = torch.device(device)
+    return NumbaIndex if device.type == "cpu" and numba_available() else TorchIndex
+
+
+def make_index(capacity: int, device: torch.device | str, slot_keys: torch.Tensor | None = None) -> KeyIndex:
+    """The best index for ``device`` (:func:`index_kind`).
 
     Args:
         capacity: the most keys it must hold at once (>= 1).
         device: where keys and slots live.
+        slot_keys: the tier's int64 [capacity] key of each slot, which a NumbaIndex reads instead
+            of keeping keys itself (``None``: it keeps its own).
     """
     device = torch.device(device)
-    if device.type == "cpu" and numba_available():
+    if index_kind(device) is NumbaIndex:
         try:
-            return NumbaIndex(capacity, device)
+            return NumbaIndex(capacity, device, slot_keys=slot_keys)
         except Exception as e:  # numba present but unusable (e.g. its LLVM fails): still work
-            warnings.warn(f"NumbaIndex unavailable ({e!r}); using TorchIndex", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"NumbaIndex unavailable ({e!r}); using TorchIndex (the tier's memory budget counted "
+                          "NumbaIndex's 8 bytes of index per row, TorchIndex takes about 22)",
+                          RuntimeWarning, stacklevel=2)
     return TorchIndex(capacity, device)

@@ -50,7 +50,8 @@ class KeyIndex(abc.ABC):
 
         Args:
             keys: int64 [n] on ``self.device``; duplicates allowed (each occurrence counts).
-            freq, last: float64 and int64 [capacity] per-slot counters on ``self.device``.
+            freq, last: float32 and int64 [capacity] per-slot counters on ``self.device`` (any stride;
+                another float dtype takes the torch ops).
             inc: weight of one access; now: the current tick.
 
         Returns:

@@ -182,7 +182,7 @@ class TorchIndex(KeyIndex):
                    now: int) -> tuple[torch.Tensor, int]:
         """As :meth:`KeyIndex.find_touch`; one kernel launch when :attr:`fused`."""
         keys = keys.reshape(-1)
-        if keys.numel() and freq.dtype == torch.float64 and last.dtype == torch.int64:
+        if keys.numel() and freq.dtype == torch.float32 and last.dtype == torch.int64:
             found = self._fused_probe(keys, freq, last, touch=(freq, last, inc, now), count=True)
             if found is not None:
                 return found[0], int(found[1])  # type: ignore[arg-type]  # the one host sync
@@ -192,7 +192,7 @@ class TorchIndex(KeyIndex):
                           rows: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, int]:
         """As :meth:`KeyIndex.find_touch_gather`; one kernel launch when :attr:`fused`."""
         keys = keys.reshape(-1)
-        if (keys.numel() and freq.dtype == torch.float64 and last.dtype == torch.int64 and rows.dim() == 2
+        if (keys.numel() and freq.dtype == torch.float32 and last.dtype == torch.int64 and rows.dim() == 2
                 and rows.stride(1) == 1 and out.stride(1) == 1):
             found = self._fused_probe(keys, freq, last, rows, out, touch=(freq, last, inc, now), gather=(rows, out),
                                       count=True)

@@ -11,9 +11,9 @@ The host was the limit, whatever the batch. This kernel does the same work in on
   buckets (multiply-shift of each 32-bit half, as ``TorchIndex._bucket``), both buckets' keys
   compared, and the slot of the matching entry; a key in neither bucket is searched for in the
   sorted stash (a binary search, only when the stash is not empty);
-- ``touch``: ``freq[slot] += inc`` (an atomic add; every addend of one call is the same ``inc``,
-  so the sum does not depend on the order) and ``last[slot] = now``; ``inc`` travels as the bits
-  of its float64 (a float argument would be rounded to float32);
+- ``touch``: ``freq[slot] += inc`` in float32 (an atomic add; every addend of one call is the
+  same ``inc``, rounded to float32 as torch's ``index_add_`` rounds it, so the sum does not
+  depend on the order) and ``last[slot] = now``;
 - ``gather``: the found rows, converted to float32, into ``out`` (absent keys' rows untouched);
 - ``count``: the number found, added into a one-element counter (the one host sync is the
   caller's read of it).
@@ -25,8 +25,6 @@ the test suite does where torch sees no GPU): that is how CI, which has no GPU, 
 
 from __future__ import annotations
 
-import struct
-
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +35,8 @@ BLOCK = 64  # keys per program
 
 
 def _probe_kernel(keys_ptr, n, tkeys_ptr, tslots_ptr, nb, skeys_ptr, sslots_ptr, n_stash, stash_iters,  # type: ignore[no-untyped-def]
-                  freq_ptr, last_ptr, inc_bits, now, rows_ptr, row_stride, out_ptr, out_stride, dim,
+                  freq_ptr, freq_stride, last_ptr, last_stride, inc, now,
+                  rows_ptr, row_stride, out_ptr, out_stride, dim,
                   slots_ptr, hits_ptr,
                   W: tl.constexpr, BLOCK: tl.constexpr, DBLOCK: tl.constexpr, STASH: tl.constexpr,
                   TOUCH: tl.constexpr, GATHER: tl.constexpr, COUNT: tl.constexpr):
@@ -79,9 +78,8 @@ def _probe_kernel(keys_ptr, n, tkeys_ptr, tslots_ptr, nb, skeys_ptr, sslots_ptr,
         hit = hit | found
     tl.store(slots_ptr + offs, slot, mask=live)
     if TOUCH:
-        inc = tl.full([BLOCK], inc_bits, tl.int64).to(tl.float64, bitcast=True)
-        tl.atomic_add(freq_ptr + slot, inc, mask=hit)
-        tl.store(last_ptr + slot, tl.full([BLOCK], now, tl.int64), mask=hit)
+        tl.atomic_add(freq_ptr + slot * freq_stride, tl.full([BLOCK], inc, tl.float32), mask=hit)
+        tl.store(last_ptr + slot * last_stride, tl.full([BLOCK], now, tl.int64), mask=hit)
     if GATHER:
         dcols = tl.arange(0, DBLOCK)
         for d0 in range(0, dim, DBLOCK):
@@ -95,7 +93,7 @@ def _probe_kernel(keys_ptr, n, tkeys_ptr, tslots_ptr, nb, skeys_ptr, sslots_ptr,
 
 # Arguments that change from call to call: not specialized on (a value of 1 or a multiple of 16
 # would otherwise compile another variant).
-_DYNAMIC = ("n", "nb", "n_stash", "stash_iters", "inc_bits", "now", "dim", "row_stride", "out_stride")
+_DYNAMIC = ("n", "nb", "n_stash", "stash_iters", "inc", "now", "dim", "row_stride", "out_stride")
 # Compiled for the GPU; with TRITON_INTERPRET=1 in the environment when triton is first imported,
 # run by Triton's interpreter on CPU tensors instead (the test suite's way without a GPU).
 _kernel = triton.jit(_probe_kernel, do_not_specialize=list(_DYNAMIC))
@@ -118,7 +116,8 @@ def probe(keys: torch.Tensor, table_keys: torch.Tensor, table_slots: torch.Tenso
         table_keys, table_slots: the flat int64 and int32 [n_buckets * width (+ more)] entry tables.
         n_buckets, width: the table's buckets and entries per bucket.
         stash_keys, stash_slots: the sorted stash (int64, int32 [s]); may be empty.
-        touch: ``(freq float64 [cap], last int64 [cap], inc, now)``: count one access per found key.
+        touch: ``(freq float32 [cap], last int64 [cap], inc, now)``, any stride (a tier's are
+            views of its rows' records): count one access per found key.
         gather: ``(rows [cap, dim], out float32 [n, dim])``, each with unit stride along ``dim``:
             ``out[i] = rows[slot of keys[i]]`` where found.
         count: also return how many keys were found (an int32 [1] tensor on the device).
@@ -134,14 +133,14 @@ def probe(keys: torch.Tensor, table_keys: torch.Tensor, table_slots: torch.Tenso
     freq, last, inc, now = touch if touch is not None else (slots, slots, 0.0, 0)
     rows, out = gather if gather is not None else (slots, slots)
     dim = int(out.shape[1]) if gather is not None else 1
-    inc_bits = struct.unpack("<q", struct.pack("<d", float(inc)))[0]
     stash_k = stash_keys if n_stash else slots
     stash_s = stash_slots if n_stash else slots
     grid = (triton.cdiv(n, BLOCK),)
     _kernel[grid](
         keys, n, table_keys, table_slots, n_buckets, stash_k, stash_s, n_stash, n_stash.bit_length(),
-        freq, last, inc_bits, int(now), rows, rows.stride(0) if gather is not None else 1, out,
-        out.stride(0) if gather is not None else 1, dim, slots, hits if hits is not None else slots,
+        freq, freq.stride(0), last, last.stride(0), float(inc), int(now),
+        rows, rows.stride(0) if gather is not None else 1, out, out.stride(0) if gather is not None else 1, dim,
+        slots, hits if hits is not None else slots,
         W=width, BLOCK=BLOCK, DBLOCK=min(128, triton.next_power_of_2(dim)), STASH=n_stash > 0,
         TOUCH=touch is not None, GATHER=gather is not None, COUNT=count)
     return slots, hits
