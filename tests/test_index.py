@@ -529,3 +529,53 @@ def test_torch_index_filler_keys_are_ordinary_keys(capacity: int) -> None:
     index.erase(fill[:1])
     assert index.find(fill).tolist() == [-1, 2] and index._find_one_pass(fill, h).tolist() == [-1, 2]
     assert index.find(t([12345], index.device)).tolist() == [0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # 1: the compiled gather pass; 2: find, then torch's gather
+def test_numba_keys_with_one_home_and_one_tag_are_told_apart_by_the_key(threads: int) -> None:
+    # NumbaIndex's entries hold a slot and a tag of the key's hash, no key: keys whose hashes
+    # share the high 32 bits (one home) and the low 32 - b bits (one tag) match each other's
+    # entries, and only the tier's key of the slot tells them apart. Every probe here walks such
+    # false matches, in find, erase (the backward shift re-homes entries through their keys),
+    # the counting find and the gathering one.
+    pytest.importorskip("numba")
+    capacity = 1000
+    b = capacity.bit_length()  # slot bits; the tag is the hash's low 32 - b bits
+    h = torch.arange(300, dtype=torch.int64) << (32 - b)  # bits above the tag only (b of them: 300 < 2**b)
+    keys = unmix64((0x9E3779B9 << 32) | h | 0x155)
+    assert torch.unique(keys).numel() == 300
+    index = NumbaIndex(capacity)
+    slots = torch.randperm(capacity, generator=torch.Generator().manual_seed(1))[:200]
+    index.insert(keys[:200], slots)
+    assert torch.equal(index.find(keys[:200]), slots)
+    assert bool((index.find(keys[200:]) == -1).all())  # same home and tag, absent
+    index.erase(keys[50:150:2])
+    kept = torch.ones(200, dtype=torch.bool)
+    kept[50:150:2] = False
+    want = torch.where(kept, slots, -1)
+    assert torch.equal(index.find(keys[:200]), want)
+    freq = torch.zeros(capacity, dtype=torch.float32)
+    last = torch.zeros(capacity, dtype=torch.int64)
+    rows = torch.randn(capacity, 5, generator=torch.Generator().manual_seed(2))
+    out = torch.full((300, 5), -1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, hits = index.find_touch_gather(keys, freq, last, 2.0, 9, rows, out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, torch.cat((want, torch.full((100,), -1))))
+    assert hits == int(kept.sum())
+    assert torch.equal(out[:200][kept], rows[slots[kept]]) and bool((out[200:] == -1.0).all())
+    assert torch.equal(freq[slots[kept]], torch.full((hits,), 2.0)) and int(freq.sum()) == 2 * hits
+    assert bool((last[slots[kept]] == 9).all())
+    got, hits = index.find_touch(keys, freq, last, 1.0, 10)
+    assert torch.equal(got[:200], want) and hits == int(kept.sum())
+
+
+def test_numba_refuses_slots_outside_its_capacity() -> None:
+    pytest.importorskip("numba")
+    index = NumbaIndex(10)
+    with pytest.raises(ValueError, match=r"slots must be in \[0, 10\)"):
+        index.insert(torch.tensor([1, 2]), torch.tensor([3, 10]))
+    assert len(index) == 0 and bool((index.find(torch.tensor([1, 2])) == -1).all())
