@@ -7,8 +7,9 @@
 #   3. the test suite on the real device (tests/realcuda.py: the CUDA fixtures run on the GPU, host syncs
 #      counted through torch's sync debug mode; tests/test_gpu_real.py: autograd, streams, memory, bits).
 # Logs and results go to $OUT (default ./gpu-check-out). Wheels in .whl/ (for a machine that cannot reach
-# a package index) are installed first; SKIP_BENCH=1 leaves out bench_gpu. Where only a few
-# files may come back, write elsewhere and pack them (SKIP_DEMO=1 leaves out the main job):
+# a package index) are installed first; SKIP_BENCH=1 leaves out bench_gpu, SKIP_REST=1 the second round
+# of tests (those that keep the cache on the host). Where only a few files may come back, write elsewhere
+# and pack them (SKIP_DEMO=1 leaves out the main job):
 #   R=$OUT; OUT=/tmp/gc bash scripts/gpu-check.sh; tar czf $R/gc.tgz -C /tmp/gc .
 # Usage: bash scripts/gpu-check.sh [TEST_SECONDS [DEMO_SECONDS]]
 set -uo pipefail
@@ -66,7 +67,7 @@ echo "== tests"
 # the rest of the suite with the time left.
 per_test=()
 "$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120)
-gpu_files=(tests/test_gpu_real.py tests/test_gpu_path.py tests/test_cache.py tests/test_prefetch.py tests/test_nn.py
+gpu_files=(tests/test_gpu_real.py tests/test_triton_probe.py tests/test_gpu_path.py tests/test_cache.py tests/test_prefetch.py tests/test_nn.py
            tests/test_index.py tests/test_init.py tests/test_transparency.py tests/test_found_slots.py
            tests/test_tier_rows.py tests/test_fused.py tests/test_export_delta.py)
 run_tests() {  # NAME SECONDS PYTEST-ARGS...
@@ -83,4 +84,4 @@ run_tests gpu $((test_s * 2 / 3)) "${gpu_files[@]}"
 left=$((test_s - (SECONDS - t_start)))
 ignore=()
 for f in "${gpu_files[@]}" tests/test_docs.py tests/test_deploy.py tests/test_packaging.py; do ignore+=(--ignore="$f"); done
-[ "$left" -gt 30 ] && run_tests rest "$left" "${ignore[@]}"
+[ -z "${SKIP_REST:-}" ] && [ "$left" -gt 30 ] && run_tests rest "$left" "${ignore[@]}"
