@@ -53,7 +53,7 @@ BATCH = 8192
 
 def run(path: str, n_ids: int, batch: int, ttl: int, interval: float, sample_ids: int) -> dict[str, Any]:
     """Stream ``n_ids`` new IDs through a cache (``ttl`` 0: no expiry); samples of the store's size, latencies."""
-    rb = resident_row_bytes(DIM, torch.float32, state_width(OPT, DIM))
+    rb = resident_row_bytes(DIM, torch.float32, state_width(OPT, DIM), "cpu")
     cfg = CacheConfig(path=path, store="rocksdb", hbm_bytes=MEMORY_ROWS * rb, ddr_bytes=MEMORY_ROWS * rb,
                       device="cpu", expiry_interval=interval)
     table = TableConfig(name="t", dim=DIM, optimizer=OPT, lr=0.05, ttl_steps=ttl)

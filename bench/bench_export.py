@@ -49,7 +49,7 @@ CFG = TableConfig(name="t", dim=DIM, optimizer="rowwise_adagrad", lr=0.05, seed=
 
 
 def _cache(path: str, store: str, rows: int) -> EmbeddingCache:
-    row = resident_row_bytes(DIM, torch.float32, 1)
+    row = resident_row_bytes(DIM, torch.float32, 1, "cpu")
     memory = max(rows // 20, BATCH) * row
     return EmbeddingCache(CacheConfig(path=path, store=store, device="cpu", hbm_bytes=memory // 4,
                                       ddr_bytes=memory - memory // 4), [CFG])

@@ -284,7 +284,7 @@ def hit_phases(ph: Phases, out: dict[str, Any], rows: int, batch: int, reps: int
     ids = sparse_ids(rows, dim)
     zipf_pos = zipf_positions(N_BATCHES * batch, rows, rng)
     uniform_pos = torch.from_numpy(rng.integers(0, rows, N_BATCHES * batch, dtype=np.int64))
-    rb = resident_row_bytes(dim, torch.float32, state_width(OPTIMIZER, dim))
+    rb = resident_row_bytes(dim, torch.float32, state_width(OPTIMIZER, dim), device)
     cfg = CacheConfig(hbm_bytes=(rows + rows // 100 + 64) * rb, ddr_bytes=DDR_BYTES, path=os.path.join(work, f"d{dim}"),
                       device=str(device))
     table = TableConfig(name=TABLE, dim=dim, optimizer=OPTIMIZER, lr=0.01, seed=dim)
@@ -351,7 +351,7 @@ def miss_phases(ph: Phases, out: dict[str, Any], miss_rows: int, batch: int, rep
     # the same hot rows for both, but the updates' batches are drawn apart from the lookups': the
     # lookups just before them would otherwise have brought every row they touch into memory
     pos = zipf_positions(2 * N_BATCHES * batch, miss_rows, rng).view(2, N_BATCHES, batch)
-    rb = resident_row_bytes(dim, torch.float32, state_width(OPTIMIZER, dim))
+    rb = resident_row_bytes(dim, torch.float32, state_width(OPTIMIZER, dim), device)
     hbm_rows, ddr_rows = int(miss_rows * MISS_HBM_SHARE), int(miss_rows * MISS_DDR_SHARE)
     cfg = CacheConfig(hbm_bytes=hbm_rows * rb, ddr_bytes=ddr_rows * rb, path=os.path.join(work, f"miss{dim}"),
                       device=str(device))

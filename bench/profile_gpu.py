@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     dim, batch = args.dim, args.batch
     rng = np.random.default_rng(dim)
     ids = sparse_ids(args.rows, dim)
-    rb = resident_row_bytes(dim, torch.float32, state_width(OPTIMIZER, dim))
+    rb = resident_row_bytes(dim, torch.float32, state_width(OPTIMIZER, dim), device)
     res: dict[str, Any] = {"benchmark": "host time of an all-hit lookup and update, by part",
                            "command": info["command"], "device": str(device), "machine": info, "dim": dim,
                            "batch": batch, "rows": args.rows, "reps": args.reps}

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     def draw() -> torch.Tensor:
         return torch.from_numpy(ids[rng.choice(IDS, batch, p=p)])
 
-    rb = resident_row_bytes(dim, torch.float32, state_width("rowwise_adagrad", dim))
+    rb = resident_row_bytes(dim, torch.float32, state_width("rowwise_adagrad", dim), "cpu")
     cfg = TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad", lr=0.01)
     with tempfile.TemporaryDirectory() as d, \
             EmbeddingCache(CacheConfig(hbm_bytes=IDS // 100 * rb, ddr_bytes=IDS // 10 * rb, path=d, device="cpu"),

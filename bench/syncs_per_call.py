@@ -47,7 +47,7 @@ BUDGETS = {
 
 def budget_cache(path: str, store: str = "rocksdb") -> EmbeddingCache:
     """Two AdaGrad tables of dim 8 on "cuda", 64 rows of HBM and 128 of DDR each."""
-    rb = resident_row_bytes(8, torch.float32, state_width("adagrad", 8))
+    rb = resident_row_bytes(8, torch.float32, state_width("adagrad", 8), "cuda")
     tables = [TableConfig(name=n, dim=8, optimizer="adagrad", lr=0.1, seed=3) for n in ("t", "u")]
     return EmbeddingCache(CacheConfig(hbm_bytes=64 * rb * 2, ddr_bytes=128 * rb * 2, path=path, store=store,
                                       device="cuda"), tables)

@@ -273,6 +273,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="storage dtype: float32, float16, bfloat16")
     p.add_argument("--optimizer", default="rowwise_adagrad",
                    help="sgd, adagrad, rowwise_adagrad, adam, rowwise_adagrad_momentum")
+    p.add_argument("--device", default="cuda",
+                   help="device of the HBM tier, whose row cost is counted (default cuda: a GPU's key index costs "
+                        "16 bytes a row more than the host's)")
     p.add_argument("--hbm-hit", type=float, default=0.8, help="target HBM hit ratio (default 0.8)")
     p.add_argument("--memory-hit", type=float, default=0.95, help="target HBM+DDR hit ratio (default 0.95)")
     p.add_argument("--points", type=int, default=16, help="capacities on the curve (default 16)")
@@ -289,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from exc
     cfg = TableConfig(name="sizing", dim=args.dim, optimizer=args.optimizer, dtype=args.dtype)
     width = state_width(cfg.optimizer, cfg.dim)
-    rb = resident_row_bytes(cfg.dim, cfg.torch_dtype, width)
+    rb = resident_row_bytes(cfg.dim, cfg.torch_dtype, width, args.device)
     trace = load_trace(args.trace)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     report = size_trace(trace, rb, args.hbm_hit, args.memory_hit, args.points, policies,

@@ -62,9 +62,12 @@ def index_row_bytes(device: torch.device | str) -> int:
     return _INDEX_BYTES["numba" if index_kind(torch.device(device)) is NumbaIndex else "torch"]
 
 
-def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int, device: torch.device | str = "cpu") -> int:
+def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int, device: torch.device | str) -> int:
     """Bytes one resident row costs in a memory tier on ``device``: weights, optimizer state,
     bookkeeping, key index.
+
+    ``device`` has no default: a row costs more on a GPU (its key index is larger), and a budget
+    sized with the host's figure for a GPU tier holds fewer rows than planned.
 
     A tier of ``budget`` bytes holds ``budget // resident_row_bytes(...)`` rows and, with
     everything it allocates counted, stays within the budget.

@@ -545,7 +545,9 @@ class Trainer:
                               beta1=args.emb_momentum, admit_after=args.admit_after, ttl_steps=args.ttl_steps,
                               dtype=args.emb_dtype, stochastic_rounding=args.stochastic_rounding)
                   for i, t in enumerate(TABLES)]
-        self.row_bytes = resident_row_bytes(args.dim, tables[0].torch_dtype, state_width(args.emb_optimizer, args.dim))
+        # the HBM tier's rows, on the device the cache puts it on (a GPU's cost more than the host's)
+        self.row_bytes = resident_row_bytes(args.dim, tables[0].torch_dtype, state_width(args.emb_optimizer, args.dim),
+                                            self.device)
         hbm_bytes, ddr_bytes, shares = _memory_plan(self.keysets, self.row_bytes)
         self.hbm_bytes = int(args.hbm_mb * 2**20) if args.hbm_mb is not None else hbm_bytes
         self.ddr_bytes = int(args.ddr_mb * 2**20) if args.ddr_mb is not None else ddr_bytes
@@ -561,7 +563,8 @@ class Trainer:
             cache_path = os.path.join(self.path, "cache")
             shutil.rmtree(cache_path, ignore_errors=True)  # train from scratch: the dense model starts fresh too
             self.cache = EmbeddingCache(CacheConfig(hbm_bytes=self.hbm_bytes, ddr_bytes=self.ddr_bytes,
-                                                    path=cache_path, store=args.store), tables)
+                                                    path=cache_path, store=args.store, device=str(self.device)),
+                                        tables)
             self.emb = CacheEmbeddings(self.cache, self.device)
         self.passes_on = args.mode in ("cache", "cache-noprefetch")
         self.prefetch_on = args.mode == "cache"

@@ -72,6 +72,20 @@ def test_bench_gpu_on_cpu_writes_positive_rates(tmp_path: Path) -> None:
     assert "syncs/call" in md and "Pipelined" in md and "25% of 4,096 in HBM" in md
 
 
+def test_bench_gpu_on_cuda_sizes_hbm_for_every_row(fakecuda: Any, tmp_path: Path) -> None:
+    # On an H100 the all-hit phase failed: it sized HBM with the host's row cost, and a GPU tier's rows
+    # cost more (a larger key index), so 4% of the rows did not fit. Under the stand-in every phase
+    # runs but counting syncs, which needs a real GPU's sync debug mode.
+    args = ["--device", "cuda", "--dims", "8", "--rows", "4096", "--batch", "1024", "--reps", "3",
+            "--threads", "0", "--out", str(tmp_path)]
+    bench_gpu.main(args)
+    doc = json.loads((tmp_path / "gpu.json").read_text())
+    (r,) = doc["results"]
+    assert r["hbm_capacity_rows"] >= r["rows"] == 4096
+    assert all(name.endswith("syncs per call") for name in r["errors"]), r["errors"]
+    assert r["traces"]["zipf"]["hbm_hit_ratio"] == 1.0 and r["traces"]["zipf"]["lookup"]["keys_per_s"] > 0
+
+
 def test_profile_gpu_on_cpu_splits_a_lookup_into_its_parts(tmp_path: Path) -> None:
     assert profile_gpu.main(["--device", "cpu", "--rows", "4096", "--batch", "512", "--reps", "3",
                              "--out", str(tmp_path)]) == 0

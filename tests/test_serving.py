@@ -162,7 +162,8 @@ def test_serves_a_full_version_exactly_and_refuses_every_write(tmp_path: Path,
     assert after["serving"]["version"] == 1 and after["serving"]["applied_versions"] == 1
     # weights only: a row costs its weights in the store and no optimizer state in memory
     for tier in ("hbm", "ddr"):
-        assert after[tier]["capacity_bytes"] == after[tier]["capacity_rows"] * resident_row_bytes(4, torch.float32, 0)
+        row = resident_row_bytes(4, torch.float32, 0, "cpu")
+        assert after[tier]["capacity_bytes"] == after[tier]["capacity_rows"] * row
 
     # every write call, raw: FAILED_PRECONDITION, ReadOnlyError, naming the version served
     channel = grpc.insecure_channel(server.address)

@@ -184,8 +184,10 @@ def test_a_cache_reads_and_trains_the_same_through_the_fused_probe(dev: torch.de
 
         monkeypatch.setattr(tier, "make_index", make_index)
         table = TableConfig(name="t", dim=16, optimizer="rowwise_adagrad", lr=0.05, seed=1)
-        rb = tier.resident_row_bytes(16, torch.float32, state_width("rowwise_adagrad", 16))
-        cfg = CacheConfig(hbm_bytes=600 * rb, ddr_bytes=1200 * rb, path=path, device=str(dev))
+        width = state_width("rowwise_adagrad", 16)
+        cfg = CacheConfig(hbm_bytes=600 * tier.resident_row_bytes(16, torch.float32, width, dev),
+                          ddr_bytes=1200 * tier.resident_row_bytes(16, torch.float32, width, "cpu"), path=path,
+                          device=str(dev))
         seen = []
         g = torch.Generator().manual_seed(5)
         with EmbeddingCache(cfg, [table]) as cache:

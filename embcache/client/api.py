@@ -574,7 +574,7 @@ class Client:
             UnknownTableError.
         """
         cfg = self._transport.table(table)
-        return resident_row_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim))
+        return resident_row_bytes(cfg.dim, cfg.torch_dtype, state_width(cfg.optimizer, cfg.dim), "cpu")
 
     def capacity_rows(self, table: str) -> dict[str, int]:
         """Rows of ``table`` each memory tier can hold, summed over shards: ``{"hbm": n, "ddr": m}``.
