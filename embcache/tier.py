@@ -18,7 +18,6 @@ from .free_slots import FreeSlots
 from .fused import FusedScratch
 from .hostmem import host_zeros
 from .index import NumbaIndex, index_kind, make_index
-from .index.numba_index import ROW_BYTES as NUMBA_ROW_BYTES
 from .sample_filter import distinct_evictable
 from .slot_table import SlotTable
 from .types import Tier
@@ -38,12 +37,6 @@ __all__ = ["DIRTY", "MAX_TIER_ROWS", "OCCUPIED", "PIN", "MemoryTier", "RowBatch"
 # slots need no array per row (embcache/free_slots.py). The scratch of the fused update and of
 # the eviction sample is sized by the batch (embcache/slot_table.py), not per row.
 _BOOKKEEPING_BYTES = 24
-# The key index (embcache/index/), per row: NumbaIndex (the CPU index) 8 bytes (4-byte entries of
-# slot and tag at load 0.5; the key is the record's). TorchIndex (the CUDA index, and the CPU's
-# without numba): 8-entry buckets of (key, int32 slot) at load <= 0.55 and a stash, ~22 bytes
-# (TorchIndex.nbytes), counted as 24, until a full stash makes it grow (adversarial keys; not seen
-# at its load).
-_INDEX_BYTES = {"numba": NUMBA_ROW_BYTES, "torch": 24}
 
 
 # The bits of MemoryTier.flags: a row is there, it differs from its stored copy, and its pin count
@@ -58,8 +51,9 @@ MAX_TIER_ROWS = 2**31 - 1
 
 
 def index_row_bytes(device: torch.device | str) -> int:
-    """Bytes of key index per row of a tier on ``device`` (the index :func:`make_index` builds there)."""
-    return _INDEX_BYTES["numba" if index_kind(torch.device(device)) is NumbaIndex else "torch"]
+    """Bytes of key index per row of a tier on ``device`` (the index :func:`make_index` builds there):
+    NumbaIndex (the CPU's) 8, TorchIndex (the GPU's, and the CPU's without numba) 24."""
+    return index_kind(device).ROW_BYTES
 
 
 def resident_row_bytes(dim: int, dtype: torch.dtype, state_width: int, device: torch.device | str) -> int:
@@ -384,8 +378,11 @@ class MemoryTier:
         self._placed()  # first: a failure half-way must not leave remembered slots valid
         slots = self._free.take(n)
         rows = rows.to(self.device)
+        # a NumbaIndex writes the keys column itself (it reads it to confirm a probe): once is enough
+        keys_by_index = isinstance(self.index, NumbaIndex) and self.index.slot_keys is self.keys
         for column, values in zip(self._columns(), rows._fields()[:5], strict=True):
-            column.index_copy_(0, slots, values.to(column.dtype))
+            if column is not self.keys or not keys_by_index:
+                column.index_copy_(0, slots, values.to(column.dtype))
         flags = (rows.pins.to(torch.int32) << _PIN_SHIFT) | (rows.dirty.to(torch.int32) * DIRTY) | OCCUPIED
         self.flags.index_copy_(0, slots, flags)
         self.index.insert(rows.keys, slots)

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from embcache import index as index_mod
 from embcache.index import KeyIndex, NumbaIndex, TorchIndex, make_index, mix64, numba_index, unmix64
-from embcache.tier import _INDEX_BYTES
 
 from .conftest import cuda_or_stand_in
 from .fakecuda import fake_cuda
@@ -348,7 +347,7 @@ def test_numba_big_table_on_huge_pages() -> None:
     pytest.importorskip("numba")
     index = NumbaIndex(1 << 18)
     assert index.table_size == math.ceil((1 << 18) / numba_index.LOAD)
-    assert index.nbytes == 4 * index.table_size <= _INDEX_BYTES["numba"] << 18
+    assert index.nbytes == 4 * index.table_size <= NumbaIndex.ROW_BYTES << 18
     keys = torch.from_numpy(np.random.default_rng(5).permutation(1 << 20)[: 1 << 18].astype(np.int64)) - (1 << 19)
     index.insert(keys, torch.arange(keys.numel()))
     assert torch.equal(index.find(keys), torch.arange(keys.numel()))
@@ -449,17 +448,17 @@ def test_find_touch_gather_copies_found_rows_and_counts_like_find_touch(n: int, 
 
 @pytest.mark.parametrize("capacity", [1024, 3000, 4100, 4400, 65537, 70000, 262145])
 def test_indexes_stay_within_the_tiers_index_budget(capacity: int) -> None:
-    # The tiers count _INDEX_BYTES of key index per row (tier.py). Rounding TorchIndex's buckets
+    # The tiers count ROW_BYTES of key index per row (tier.py). Rounding TorchIndex's buckets
     # up to a power of two once took it past the count; both are sized to their load now.
     index = TorchIndex(capacity)
-    assert index.nbytes <= _INDEX_BYTES["torch"] * capacity
+    assert index.nbytes <= TorchIndex.ROW_BYTES * capacity
     keys = torch.randperm(10 * capacity, generator=torch.Generator().manual_seed(capacity))[:capacity] * 7919 - 5
     slots = torch.arange(capacity)
     index.insert(keys, slots)  # full: at most 55% load, no growth
-    assert index.n_buckets == TorchIndex(capacity).n_buckets and index.nbytes <= _INDEX_BYTES["torch"] * capacity
+    assert index.n_buckets == TorchIndex(capacity).n_buckets and index.nbytes <= TorchIndex.ROW_BYTES * capacity
     assert torch.equal(index.find(keys), slots)
     if index_mod.numba_available():
-        assert NumbaIndex(capacity).nbytes <= _INDEX_BYTES["numba"] * capacity
+        assert NumbaIndex(capacity).nbytes <= NumbaIndex.ROW_BYTES * capacity
 
 
 def test_torch_index_stash_stays_small_under_churn_at_full_load() -> None:

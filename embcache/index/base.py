@@ -25,6 +25,8 @@ class KeyIndex(abc.ABC):
 
     capacity: int
     device: torch.device
+    # Bytes of index per row at capacity, what a tier's budget counts (embcache/tier.py)
+    ROW_BYTES: int
 
     def __init__(self, capacity: int, device: torch.device | str) -> None:
         if capacity < 1:

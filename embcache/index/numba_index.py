@@ -67,16 +67,15 @@ _MAX_ENTRIES = 1 << 32
 LOAD = 0.5
 # Bytes of index per row at LOAD, what the tiers count (embcache/tier.py).
 ROW_BYTES = 8
-# The gather kernel's pipeline distance in keys (see _find_gather_py); each key in flight adds its
-# row's 4-8 lines, its key's line and two counter lines. _RING (> 2 * _AHEAD) holds the hashes
-# and positions in flight.
+# The gather kernel's pipeline distance in keys (see _probe_py); each key in flight adds its
+# row's 4-8 lines, its key's line and two counter lines.
 _AHEAD = 16
-_RING = 64
-# Keys an insert hashes and prefetches before placing any of them.
-_GROUP = 128
 # The find kernels' pipeline distance: their work per key is small, so more keys are in flight.
 _FIND_AHEAD = 32
-_FIND_RING = 128
+# The hashes and positions in flight (> 2 * the largest distance).
+_RING = 128
+# Keys an insert hashes and prefetches before placing any of them.
+_GROUP = 128
 
 
 def _hash_py(k: int) -> Any:
@@ -142,125 +141,89 @@ def _lookup_py(tab: Any, skeys: Any, k: int, b: int, size: Any) -> tuple[Any, An
 
 
 def _probe_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any, freq: Any, last: Any, inc: float, now: int,
-              touch: bool) -> int:
-    # The slots of keys into out (-1 where absent), and with ``touch`` each hit counts one access
-    # of its row (freq += inc in float32, last = now) as it is confirmed; returns the hits. A
-    # rolling pipeline of three stages, _FIND_AHEAD keys apart: key i + 2 * _FIND_AHEAD is
-    # hashed and its table entry prefetched; key i + _FIND_AHEAD gets its candidate (the first
-    # entry with its tag; the line has arrived) and the key at that slot is prefetched; key i
-    # is confirmed (and touched). Both kinds of cache miss stay in flight all the time; in groups
-    # of 128 keys, one phase after another, each group waited out two round trips (finds of
-    # resident keys took 1.2-1.4x as long).
+              touch: bool, gather: bool, rows: Any, orows: Any, ahead: int) -> int:
+    # The slots of keys into out (-1 where absent); with ``touch`` each hit counts one access of
+    # its row (freq += inc in float32, last = now) as it is confirmed, and with ``gather`` its row
+    # of ``rows`` is copied into ``orows[i]`` too (a miss leaves orows[i] as it was). Returns the
+    # hits. A rolling pipeline of three stages, ``ahead`` keys apart: key i + 2 * ahead is hashed
+    # and its table entry prefetched; key i + ahead gets its candidate (the first entry with its
+    # tag; the line has arrived) and the key at that slot is prefetched (with ``gather``, its row
+    # and counters too); key i is confirmed, touched and copied. Cache misses stay in flight all
+    # the time: in groups of 128 keys, one phase after another, each group waited out two round
+    # trips (finds of resident keys took 1.2-1.4x as long), and probe-then-index_select waits for
+    # every probe, then gathers rows the caches no longer hold. The stages are written out: as
+    # inlined helpers they compiled 2.7x slower, and as one loop over the three offsets (no
+    # prologue) 15% slower.
     size = np.uint64(tab.shape[0])
-    n = keys.shape[0]
-    inc32 = np.float32(inc)
-    hashes = np.empty(_FIND_RING, np.uint64)
-    pos = np.empty(_FIND_RING, np.uint64)
-    hits = 0
-    for j in range(min(_FIND_AHEAD, n)):  # the loop's first step hashes key _FIND_AHEAD
-        h = _hash(keys[j])
-        hashes[j % _FIND_RING] = h
-        p = _home(h, size)
-        pos[j % _FIND_RING] = p
-        _prefetch(tab, (p,))
-    for i in range(-_FIND_AHEAD, n):
-        j = i + 2 * _FIND_AHEAD
-        if j < n:
-            h = _hash(keys[j])
-            hashes[j % _FIND_RING] = h
-            p = _home(h, size)
-            pos[j % _FIND_RING] = p
-            _prefetch(tab, (p,))
-        j = i + _FIND_AHEAD
-        if j < n:
-            p, s = _candidate(tab, pos[j % _FIND_RING], _want(hashes[j % _FIND_RING], b), b, size)
-            pos[j % _FIND_RING] = p
-            out[j] = s
-            if s >= 0:
-                _prefetch(skeys, (s,))
-                if touch:
-                    _prefetch(freq, (s,))
-        if i < 0:
-            continue
-        s = out[i]
-        if s >= 0 and skeys[s] != keys[i]:
-            s = _confirm(tab, skeys, keys[i], pos[i % _FIND_RING], s, _want(hashes[i % _FIND_RING], b), b, size)[1]
-            out[i] = s
-        if s >= 0:
-            hits += 1
-            if touch:
-                freq[s] += inc32
-                last[s] = now
-    return hits
-
-
-def _find_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any) -> None:
-    _probe(tab, skeys, b, keys, out, np.empty(0, np.float32), np.empty(0, np.int64), 0.0, 0, False)
-
-
-def _find_touch_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any, freq: Any, last: Any, inc: float,
-                   now: int) -> int:
-    # _find_py, and each hit counts one access of its row: one pass instead of find, a hit count
-    # and a touch.
-    return _probe(tab, skeys, b, keys, out, freq, last, inc, now, True)
-
-
-def _find_gather_py(tab: Any, skeys: Any, b: int, keys: Any, slots: Any, freq: Any, last: Any, inc: float,
-                    now: int, rows: Any, out: Any) -> int:
-    # _find_touch_py, and each hit's row of ``rows`` copied into ``out[i]`` (a miss leaves out[i]
-    # as it was). A rolling software pipeline of three stages, _AHEAD keys apart: while key i is
-    # confirmed, counted and copied, key i + _AHEAD gets its candidate (its table line has
-    # arrived) and the candidate's key, row and counters are prefetched, and key i + 2 * _AHEAD
-    # is hashed and its table line prefetched. Cache misses stay in flight all the time, where
-    # probe-then-index_select waits for every probe and then gathers rows the caches no longer
-    # hold, and where groups of keys let them drain at the end of every group. The stages are
-    # written out: as an inlined helper they compiled 2.7x slower, and as one loop over the
-    # three offsets (no prologue) 15% slower.
-    size = np.uint64(tab.shape[0])
-    n, dim = keys.shape[0], rows.shape[1]
+    n, dim = keys.shape[0], orows.shape[1]
     inc32 = np.float32(inc)
     hashes = np.empty(_RING, np.uint64)
     pos = np.empty(_RING, np.uint64)
     hits = 0
-    for j in range(min(_AHEAD, n)):  # the loop's first step hashes key _AHEAD
+    for j in range(min(ahead, n)):  # the loop's first step hashes key ``ahead``
         h = _hash(keys[j])
         hashes[j % _RING] = h
         p = _home(h, size)
         pos[j % _RING] = p
         _prefetch(tab, (p,))
-    for i in range(-_AHEAD, n):
-        j = i + 2 * _AHEAD
+    for i in range(-ahead, n):
+        j = i + 2 * ahead
         if j < n:
             h = _hash(keys[j])
             hashes[j % _RING] = h
             p = _home(h, size)
             pos[j % _RING] = p
             _prefetch(tab, (p,))
-        j = i + _AHEAD
+        j = i + ahead
         if j < n:
             p, s = _candidate(tab, pos[j % _RING], _want(hashes[j % _RING], b), b, size)
             pos[j % _RING] = p
-            slots[j] = s
+            out[j] = s
             if s >= 0:
                 _prefetch(skeys, (s,))
-                for c in range(0, dim, 16):  # 16 float32 = one 64-byte line
-                    _prefetch(rows, (s, c))
-                _prefetch(rows, (s, dim - 1))  # a row that straddles one more line
-                _prefetch(freq, (s,))
-                _prefetch(last, (s,))
+                if touch:
+                    _prefetch(freq, (s,))
+                if gather:
+                    for c in range(0, dim, 16):  # 16 float32 = one 64-byte line
+                        _prefetch(rows, (s, c))
+                    _prefetch(rows, (s, dim - 1))  # a row that straddles one more line
+                    _prefetch(last, (s,))
         if i < 0:
             continue
-        s = slots[i]
+        s = out[i]
         if s >= 0 and skeys[s] != keys[i]:
             s = _confirm(tab, skeys, keys[i], pos[i % _RING], s, _want(hashes[i % _RING], b), b, size)[1]
-            slots[i] = s
+            out[i] = s
         if s >= 0:
             hits += 1
-            freq[s] += inc32
-            last[s] = now
-            for c in range(dim):
-                out[i, c] = rows[s, c]
+            if touch:
+                freq[s] += inc32
+                last[s] = now
+            if gather:
+                for c in range(dim):
+                    orows[i, c] = rows[s, c]
     return hits
+
+
+def _find_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any) -> None:
+    none = np.empty((0, 0), np.float32)
+    _probe(tab, skeys, b, keys, out, np.empty(0, np.float32), np.empty(0, np.int64), 0.0, 0, False, False, none,
+           none, _FIND_AHEAD)
+
+
+def _find_touch_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any, freq: Any, last: Any, inc: float,
+                   now: int) -> int:
+    # _find_py, and each hit counts one access of its row: one pass instead of find, a hit count
+    # and a touch.
+    none = np.empty((0, 0), np.float32)
+    return _probe(tab, skeys, b, keys, out, freq, last, inc, now, True, False, none, none, _FIND_AHEAD)
+
+
+def _find_gather_py(tab: Any, skeys: Any, b: int, keys: Any, slots: Any, freq: Any, last: Any, inc: float,
+                    now: int, rows: Any, out: Any) -> int:
+    # _find_touch_py, and each hit's row of ``rows`` copied into ``out[i]``; keys closer together
+    # in the pipeline, as each one in flight holds its row's lines too.
+    return _probe(tab, skeys, b, keys, slots, freq, last, inc, now, True, True, rows, out, _AHEAD)
 
 
 def _touch_py(slots: Any, freq: Any, last: Any, inc: float, now: int) -> int:
@@ -498,6 +461,8 @@ class NumbaIndex(KeyIndex):
     in the index (a tier erases a key before it reuses the slot).
     """
 
+    ROW_BYTES = ROW_BYTES  # 4-byte entries of slot and tag at LOAD (the key is the tier's)
+
     def __init__(self, capacity: int, device: torch.device | str = "cpu", load: float = LOAD,
                  slot_keys: torch.Tensor | None = None) -> None:
         super().__init__(capacity, device)
@@ -577,7 +542,7 @@ class NumbaIndex(KeyIndex):
     def find_touch(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float,
                    now: int) -> tuple[torch.Tensor, int]:
         """:meth:`KeyIndex.find_touch` in one compiled pass (CPU tensors; ``freq`` float32 and
-        ``last`` int64, contiguous).
+        ``last`` int64, of any stride: a tier's are views of its rows' records).
 
         Batches large enough for :meth:`find`'s helper threads are found in parallel and touched
         after, on this thread (concurrent ``freq[s] += inc`` of a repeated slot would lose counts).
@@ -600,15 +565,15 @@ class NumbaIndex(KeyIndex):
 
         On one thread the pass beats probe-then-``index_select``: measured through
         ``EmbeddingCache.lookup`` on 453K rows, Zipf keys, batches of 8,192 and 65,536, in two
-        A/B runs: 1.09-1.19x at dim 64 and 1.13-1.26x at dim 128. With more threads ``index_select`` spreads the copy
-        over all of them and wins (2 threads on this 2-core VM: 0.92x for the pass, run alone or
+        A/B runs: 1.09-1.19x at dim 64 and 1.13-1.26x at dim 128. With more threads ``index_select``
+        spreads the copy over all of them and wins (2 threads on this 2-core VM: 0.92x for the pass, run alone or
         split over the helper threads), so there the base class's probe-then-gather runs. One
         torch thread per process is common in training: ``torchrun`` sets ``OMP_NUM_THREADS=1``
         for several ranks per machine.
         """
-        if torch.get_num_threads() > 1 or freq.dtype != torch.float32 or last.dtype != torch.int64 or not (
-                rows.dtype == out.dtype == torch.float32 and rows.is_contiguous()
-                                                and out.is_contiguous() and rows.dim() == out.dim() == 2):
+        fits = (freq.dtype == torch.float32 and last.dtype == torch.int64 and rows.dtype == out.dtype == torch.float32
+                and rows.is_contiguous() and out.is_contiguous() and rows.dim() == out.dim() == 2)
+        if torch.get_num_threads() > 1 or not fits:
             return super().find_touch_gather(keys, freq, last, inc, now, rows, out)
         k = self._np(keys)
         slots = np.empty(k.shape[0], dtype=np.int64)

@@ -68,6 +68,10 @@ class TorchIndex(KeyIndex):
             on this machine, the index warns once and goes on in torch ops.
     """
 
+    # 8-entry buckets of (key, int32 slot) at load <= 0.55 and a stash: ~22 bytes a row (nbytes),
+    # counted as 24, until a full stash makes it grow (adversarial keys; not seen at its load)
+    ROW_BYTES = 24
+
     def __init__(self, capacity: int, device: torch.device | str = "cpu", bucket_width: int = 8,
                  fused: bool | None = None) -> None:
         super().__init__(capacity, device)
