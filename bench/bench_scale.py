@@ -111,6 +111,25 @@ def prewarm(cache: EmbeddingCache, memory_rows: int) -> float:
     return time.perf_counter() - t0
 
 
+def store_direct(cache: EmbeddingCache, batches: list[np.ndarray], hot_rows: int) -> dict[str, float]:
+    """The store's own read cost at this size: ``get_many`` of the keys each timed batch has outside
+    the ``hot_rows`` hottest ranks (what a perfect frequency-ordered cache reads from the store),
+    batch by batch, through the cache's own store (its block cache warm, as the cache left it).
+
+    Reads the cache's private store: the reference is the same RocksDB instance, not a copy.
+    """
+    store = cache._store
+    assert store is not None
+    seconds, rows = 0.0, 0
+    for ranks in batches:
+        keys = np.unique(keys_of(ranks[ranks >= hot_rows]))
+        t0 = time.perf_counter()
+        store.get_many(TABLE, keys)
+        seconds += time.perf_counter() - t0
+        rows += keys.size
+    return {"rows": rows, "seconds": seconds, "ns_per_row": seconds / max(rows, 1) * 1e9}
+
+
 def run_size(n_rows: int, accesses: int, segments: int, work: str, warm: bool = True) -> dict[str, Any]:
     """Fill, then time lookup + update over a Zipf trace with tiers at 1% / 10% of ``n_rows``.
 
@@ -157,11 +176,14 @@ def run_size(n_rows: int, accesses: int, segments: int, work: str, warm: bool = 
                 cache.apply_gradients(TABLE, b, grads)
             seg_s.append(time.perf_counter() - t0)
         after = cache.stats()[TABLE]
+        first = len(batches) // 2 * BATCH
+        timed_ranks = ranks[first:first + per * segments * BATCH]
+        direct = store_direct(cache, [timed_ranks[i:i + BATCH] for i in range(0, timed_ranks.size, BATCH)],
+                              hbm_rows + ddr_rows)
     looked = after["lookups"] - before["lookups"]
     hits = {t: (after[t]["hits"] - before[t]["hits"]) / looked for t in ("hbm", "ddr", "ssd")}
     hits["created"] = (after["ssd"]["created"] - before["ssd"]["created"]) / looked
-    first = len(batches) // 2 * BATCH
-    timed_ranks = ranks[first:first + per * segments * BATCH]
+    tier_ns = {t: (after[t]["seconds"] - before[t]["seconds"]) / looked * 1e9 for t in ("hbm", "ddr", "ssd")}
     med = statistics.median(seg_s)
     du = subprocess.run(["du", "-sb", path], capture_output=True, text=True).stdout.split()[0]
     shutil.rmtree(path, ignore_errors=True)
@@ -171,15 +193,23 @@ def run_size(n_rows: int, accesses: int, segments: int, work: str, warm: bool = 
             "ns_per_row": med / (per * BATCH) * 1e9, "rows_per_s": per * BATCH / med, "hit_ratio": hits,
             "timed_share_outside_hot_set": float((timed_ranks >= hbm_rows + ddr_rows).mean()),
             "distinct_keys_in_trace": int(np.unique(ranks).size),
-            "tier_seconds_per_row_ns": {t: (after[t]["seconds"] - before[t]["seconds"]) / looked * 1e9
-                                        for t in ("hbm", "ddr", "ssd")}}
+            "tier_seconds_per_row_ns": tier_ns,
+            # the SSD tier's time per row it served, against the store's own get_many of the same kind of keys
+            "ssd_ns_per_store_row": tier_ns["ssd"] / max(hits["ssd"] + hits["created"], 1e-12),
+            "store_direct": direct}
+
+
+def _memory_ns(r: dict[str, Any]) -> float:
+    """ns per looked-up row spent in the memory tiers (HBM and DDR)."""
+    return float(r["tier_seconds_per_row_ns"]["hbm"] + r["tier_seconds_per_row_ns"]["ddr"])
 
 
 def render(results: list[dict[str, Any]]) -> str:
     """Markdown table of the sizes."""
     lines = ["| rows | store on disk | HBM / DDR rows | resident at timing HBM / DDR | hits HBM / DDR / SSD | "
-             "accesses outside the hot set | ns per row (lookup + update) | rows/s | vs smallest |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "accesses outside the hot set | ns per row (lookup + update) | rows/s | vs smallest | "
+             "HBM + DDR ns per row | SSD tier ns per store row | store get_many ns per row (direct) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     base = results[0]["ns_per_row"]
     for r in results:
         h, f = r["hit_ratio"], r.get("full_at_timing", {})
@@ -187,7 +217,9 @@ def render(results: list[dict[str, Any]]) -> str:
                      f"{f.get('hbm', float('nan')):.1%} / {f.get('ddr', float('nan')):.1%} | "
                      f"{h['hbm']:.1%} / {h['ddr']:.1%} / {h['ssd'] + h['created']:.1%} | "
                      f"{r.get('timed_share_outside_hot_set', float('nan')):.1%} | {r['ns_per_row']:.0f} | "
-                     f"{r['rows_per_s'] / 1e3:.0f}K | {format_ratio(r['ns_per_row'] / base, TARGET_GROWTH)} |")
+                     f"{r['rows_per_s'] / 1e3:.0f}K | {format_ratio(r['ns_per_row'] / base, TARGET_GROWTH)} | "
+                     f"{_memory_ns(r):.0f} | {r.get('ssd_ns_per_store_row', float('nan')):,.0f} | "
+                     f"{r.get('store_direct', {}).get('ns_per_row', float('nan')):,.0f} |")
     return "\n".join(lines)
 
 
@@ -249,6 +281,19 @@ def main(argv: list[str] | None = None) -> int:
     summary = [{"case": f"per-row cost at {results[-1]['rows']:,} rows vs {results[0]['rows']:,}",
                 "ratio": growth, "target": TARGET_GROWTH, "lower_is_better": True, "met": growth <= TARGET_GROWTH,
                 "reference": f"{results[0]['rows']:,} rows"}]
+    big, small = results[-1], results[0]
+    if "store_direct" in big:
+        # what limits the growth: the memory tiers' part, and the store's own read cost (no targets)
+        summary += [
+            {"case": f"HBM + DDR time per row at {big['rows']:,} rows vs {small['rows']:,}",
+             "ratio": _memory_ns(big) / _memory_ns(small), "target": None, "lower_is_better": True, "met": None,
+             "reference": f"{small['rows']:,} rows"},
+            {"case": f"store get_many per row at {big['rows']:,} rows vs {small['rows']:,} (RocksDB alone)",
+             "ratio": big["store_direct"]["ns_per_row"] / small["store_direct"]["ns_per_row"], "target": None,
+             "lower_is_better": True, "met": None, "reference": f"{small['rows']:,} rows"},
+            {"case": f"SSD tier time per store row vs the store's own get_many, {big['rows']:,} rows",
+             "ratio": big["ssd_ns_per_store_row"] / big["store_direct"]["ns_per_row"], "target": None,
+             "lower_is_better": True, "met": None, "reference": "RocksDB get_many of the keys outside the hot set"}]
     write_json(stem + ".json", {"benchmark": "per-row cost vs table size", "command": info["command"],
                                 "machine": info, "accesses": accesses, "batch": BATCH, "dim": DIM,
                                 "prewarm": not args.no_prewarm, "results": results, "summary": summary,

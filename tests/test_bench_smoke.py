@@ -324,6 +324,9 @@ def test_bench_scale_times_full_tiers(tmp_path: Path) -> None:
     assert r["resident_at_timing"] == {"hbm": 200, "ddr": 2000}
     assert sum(v for k, v in r["hit_ratio"].items()) == pytest.approx(1.0)
     assert len(r["segment_seconds"]) == 2 and all(s > 0 for s in r["segment_seconds"])
+    # the store's own read cost beside the SSD tier's, for the keys outside the hot set
+    assert r["store_direct"]["rows"] > 0 and r["store_direct"]["ns_per_row"] > 0 and r["ssd_ns_per_store_row"] > 0
+    assert "store get_many ns per row (direct)" in bench_scale.render([r])
 
 
 def test_bench_index_reports_medians(tmp_path: Path) -> None:
