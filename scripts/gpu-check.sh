@@ -69,8 +69,8 @@ echo "== tests"
 per_test=()
 "$py" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120)
 gpu_files=(tests/test_gpu_real.py tests/test_triton_probe.py tests/test_gpu_path.py tests/test_cache.py
-           tests/test_prefetch.py tests/test_nn.py tests/test_index.py tests/test_init.py tests/test_transparency.py tests/test_found_slots.py
-           tests/test_tier_rows.py tests/test_fused.py tests/test_export_delta.py)
+           tests/test_prefetch.py tests/test_nn.py tests/test_index.py tests/test_init.py tests/test_transparency.py
+           tests/test_found_slots.py tests/test_tier_rows.py tests/test_fused.py tests/test_export_delta.py)
 run_tests() {  # NAME SECONDS PYTEST-ARGS...
     local name=$1 limit=$2 t0=$SECONDS
     shift 2
