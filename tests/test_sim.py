@@ -226,14 +226,19 @@ CASES = random_traces()
 
 
 def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | None = None,
-               idle_halving: float = 2.5) -> int:
+               idle_halving: float = 2.5, window: float = 0.0, once: bool = False) -> int:
     """LRFU with count-min admission and the idle discount, as LrfuSim with ``sample=None``.
 
     A resident's score is its aged frequency halved per ``idle_halving`` missed accesses
     (``missed = freq / increment * ln 2 / halflife * idle``); the exact minimum is the victim.
     The sketch is 8x the capacity wide and updated conservatively: a key's counters rise to
-    min(counters) + increment, no further.
+    min(counters) + increment, no further. With ``window``, keys entering take a place in a
+    FIFO window of ``round(window * capacity)`` rows; a full window's oldest key, pushed out,
+    stays only if it scores above the exact minimum of the keys outside the window. With
+    ``once``, a resident's accesses at one tick count once.
     """
+    w_rows = max(1, round(window * capacity)) if window > 0 else 0
+    fifo: list[int] = []  # the window's keys, oldest first
     width = 1
     while width < max(8 * capacity, 64):
         width *= 2
@@ -246,7 +251,8 @@ def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | No
         inc = 2.0 ** (tick / halflife)
         if k in freq:
             hits += 1
-            freq[k] += inc
+            if not (once and last[k] == tick):
+                freq[k] += inc
             last[k] = tick
             continue
         cells = [rp.sketch_hash(k, r) % width for r in range(4)]
@@ -257,19 +263,30 @@ def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | No
             continue
         if len(freq) < capacity:
             freq[k], last[k] = est, tick
+            if len(fifo) < w_rows:
+                fifo.append(k)
             continue
 
         def score(key: int, inc: float = inc, tick: int = tick) -> float:
             missed = freq[key] / inc * math.log(2.0) / halflife * (tick - last[key])
             return freq[key] * 2.0 ** (-missed / idle_halving)
-        victim = min(freq, key=score)
-        if est > score(victim):
-            vs = freq.pop(victim)
-            del last[victim]
-            for r in range(4):
-                c = rp.sketch_hash(victim, r) % width
-                sketch[r][c] = max(sketch[r][c], vs)
-            freq[k], last[k] = est, tick
+        main = [key for key in freq if key not in fifo]
+        victim = min(main, key=score) if main else None
+        if w_rows and len(fifo) >= w_rows:
+            pushed = fifo.pop(0)
+            leaving = victim if victim is not None and score(pushed) > score(victim) else pushed
+        elif victim is not None and est > score(victim):
+            leaving = victim
+        else:
+            continue
+        vs = freq.pop(leaving)
+        del last[leaving]
+        for r in range(4):
+            c = rp.sketch_hash(leaving, r) % width
+            sketch[r][c] = max(sketch[r][c], vs)
+        freq[k], last[k] = est, tick
+        if len(fifo) < w_rows:
+            fifo.append(k)
     return hits
 
 
@@ -290,6 +307,58 @@ def test_lrfu_matches_brute_force(batch: int | None) -> None:
     assert total > 0
     trace = wl.zipf_trace(50_000, 5_000, 1.05, seed=9)
     assert rp.lrfu_hit_ratio(trace, 100) > rp.lru_hit_ratio(trace, 100)  # frequency beats recency on skew
+
+
+@pytest.mark.parametrize(("window", "once", "batch"), [(0.1, False, None), (0.25, False, 7), (0.1, True, 7),
+                                                      (0.0, True, 7)])
+def test_lrfu_window_and_once_match_brute_force(window: float, once: bool, batch: int | None) -> None:
+    total = 0
+    for trace, capacity in CASES:
+        sim = rp.LrfuSim(capacity, halflife=50.0, sample=None, window=window, once=once)
+        if batch is None:
+            hits = sim.access(trace)
+        else:
+            hits = sum(sim.access(trace[i:i + batch], batch_ticks=len(trace[i:i + batch]))
+                       for i in range(0, len(trace), batch))
+        want = brute_lrfu(trace.tolist(), capacity, 50.0, batch, window=window, once=once)
+        assert abs(hits - want) <= (0 if batch is None else max(2, 0.02 * len(trace))), (trace, capacity)
+        assert int(sim._rw.sum()) == int(sim._state[8]) <= int(sim._state[4])  # the window's count is true
+        total += hits
+    assert total > 0
+
+
+def test_a_window_gives_recent_keys_a_place_that_admission_alone_refuses() -> None:
+    # hot keys earn high frequencies; then a scan of new keys, each seen twice in a row. Admission
+    # alone keeps every scanned key out (its estimate never beats a hot key's); a window of 10%
+    # holds the latest of them, so their second access hits, and the hot keys stay in the main region
+    hot = np.tile(np.arange(100, dtype=np.int64), 50)
+    scan = np.repeat(np.arange(1_000, 3_000, dtype=np.int64), 2)
+    plain = rp.LrfuSim(100, halflife=1e6, sample=None)
+    windowed = rp.LrfuSim(100, halflife=1e6, sample=None, window=0.1)
+    for sim in (plain, windowed):
+        sim.access(hot)
+    assert plain.access(scan) == 0 and windowed.access(scan) == scan.size // 2
+    assert windowed.access(np.arange(100, dtype=np.int64)) >= 90  # the main region kept the hot keys
+
+
+def test_once_counts_a_batchs_repeats_once() -> None:
+    for once, want in ((False, 5.0), (True, 1.0)):
+        sim = rp.LrfuSim(10, halflife=math.inf, sample=None, once=once)
+        sim.access(np.array([7], dtype=np.int64), batch_ticks=1)  # enters with frequency 1
+        sim.access(np.full(5, 7, dtype=np.int64), batch_ticks=5)  # five repeats in one batch
+        assert sim._rf[0] == 1.0 + want
+
+
+def test_retuning_the_window_starts_it_empty() -> None:
+    sim = rp.LrfuSim(50, sample=None, window=0.2)
+    sim.access(np.arange(200, dtype=np.int64))
+    assert int(sim._state[8]) == 10
+    sim.retune(1e4, 2.5, False, window=0.1)
+    assert int(sim._state[8]) == 0 and not sim._rw.any() and int(sim._state[4]) == 5
+    sim.access(np.arange(1_000, 1_100, dtype=np.int64))
+    assert int(sim._rw.sum()) == int(sim._state[8]) == 5
+    with pytest.raises(ValueError):
+        rp.LrfuSim(10, window=1.0)
 
 
 def test_sampled_lrfu_victims_stay_close_to_the_exact_minimum() -> None:

@@ -106,14 +106,17 @@ def _xorshift(rng: np.ndarray) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
-def _lrfu_victim(rf: np.ndarray, rl: np.ndarray, size: int, sample: int, now: float, a: float,
+def _lrfu_victim(rf: np.ndarray, rl: np.ndarray, rw: np.ndarray, size: int, sample: int, now: float, a: float,
                  rng: np.ndarray) -> tuple[int, float]:
     """(index, log score) of the lowest-scored of ``sample`` random residents (all when ``sample``
-    is 0 or at least ``size``); log score = log(freq) - a * freq * idle (see embcache.policy)."""
+    is 0 or at least ``size``) outside the window (``rw``), or (-1, inf) when every one drawn is in
+    it; log score = log(freq) - a * freq * idle (see embcache.policy)."""
     n = size if sample <= 0 or sample >= size else sample
     best, best_i = np.inf, -1
     for j in range(n):
         i = j if n == size else _xorshift(rng) % size
+        if rw[i]:
+            continue
         ls = np.log(rf[i]) - a * rf[i] * (now - rl[i])
         if ls < best:
             best, best_i = ls, i
@@ -121,20 +124,51 @@ def _lrfu_victim(rf: np.ndarray, rl: np.ndarray, size: int, sample: int, now: fl
 
 
 @numba.njit(cache=True, nogil=True)
+def _forget(pos: np.ndarray, sketch: np.ndarray, mask: int, rk: np.ndarray, rf: np.ndarray, v: int) -> None:
+    """Resident ``v`` leaves: out of the map, its aged frequency kept in the sketch."""
+    vk, vs = rk[v], rf[v]
+    _pos_delete(pos, vk)
+    for r in range(4):
+        c = _lrfu_cell(vk, r, mask)
+        if sketch[r, c] < vs:
+            sketch[r, c] = vs
+
+
+@numba.njit(cache=True, nogil=True)
+def _window_oldest(pos: np.ndarray, rw: np.ndarray, ring: np.ndarray, state: np.ndarray) -> int:
+    """Index of the window's oldest resident, taken off the ring (-1: none); stale entries (keys
+    gone or out of the window) are dropped on the way."""
+    rsz = ring.shape[0]
+    while state[6] < state[7]:
+        k = ring[state[6] % rsz]
+        state[6] += 1
+        e = _pos_find(pos, k)
+        if e >= 0 and rw[pos[e, 1]]:
+            return pos[e, 1]
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
 def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.ndarray, rk: np.ndarray,
-                 rf: np.ndarray, rl: np.ndarray, pos: np.ndarray, state: np.ndarray, sketch: np.ndarray,
-                 admission: bool, rng: np.ndarray) -> int:
+                 rf: np.ndarray, rl: np.ndarray, rw: np.ndarray, ring: np.ndarray, pos: np.ndarray,
+                 state: np.ndarray, sketch: np.ndarray, admission: bool, rng: np.ndarray) -> int:
     """Replay ``keys`` through an LRFU cache with the idle discount; returns the hits.
 
     ``clock`` = [now, t0, halflife, idle_halving] (ticks); ``state`` = [size, capacity, sample,
-    strict]: with ``strict`` a missed key must beat the victim without the access it is making
-    (it needs more history than the victim, not the same), so keys of equal standing never churn.
-    Residents are ``rk`` (keys), ``rf`` (aged frequencies) and ``rl`` (last-access ticks) at
-    ``[0, size)``; ``pos`` maps a key to its index. With ``tick_each`` every key advances the
-    clock by one tick; otherwise the whole batch shares one tick and increment and the clock
-    then advances by ``batch_ticks`` (what the cache does per lookup).
+    strict, window, once, ring head, ring tail, window rows]: with ``strict`` a missed key must
+    beat the victim without the access it is making (it needs more history than the victim, not
+    the same), so keys of equal standing never churn; with ``once`` a resident's accesses at one
+    tick count once (a batch's repeats). Residents are ``rk`` (keys), ``rf`` (aged frequencies),
+    ``rl`` (last-access ticks) and ``rw`` (in the window) at ``[0, size)``; ``pos`` maps a key to
+    its index. With a window of ``window`` rows, every key entering takes a window place (the
+    ring holds the window's keys, oldest first); when the window is full its oldest row is
+    pushed out and stays, joining the main region, only if it scores above the main region's
+    sampled victim, which then leaves; otherwise the pushed row leaves. With ``tick_each`` every
+    key advances the clock by one tick; otherwise the whole batch shares one tick and increment
+    and the clock then advances by ``batch_ticks`` (what the cache does per lookup).
     """
-    size, cap, sample = state[0], state[1], state[2]
+    size, cap, sample, wcap, once = state[0], state[1], state[2], state[4], state[5] != 0
+    rsz = ring.shape[0]
     mask = sketch.shape[1] - 1
     hits = 0
     now = clock[0]
@@ -148,7 +182,8 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
         if e >= 0:
             idx = pos[e, 1]
             hits += 1
-            rf[idx] += inc
+            if not (once and rl[idx] == now):
+                rf[idx] += inc
             rl[idx] = now
         else:
             # conservative update, as the cache's FrequencySketch: raise the key's counters to min + inc
@@ -170,22 +205,33 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
                     a = 0.0
                     if np.isfinite(clock[2]) and np.isfinite(clock[3]):
                         a = _LN2 * _LN2 / (clock[2] * clock[3] * inc)
-                    v, vls = _lrfu_victim(rf, rl, size, sample, now, a, rng)
-                    cand = est - inc if state[3] else est
-                    if admission and not (cand > 0.0 and np.log(cand) > vls):
-                        v = -1
+                    v, vls = _lrfu_victim(rf, rl, rw, size, sample, now, a, rng)
+                    p = _window_oldest(pos, rw, ring, state) if wcap > 0 and state[8] >= wcap else -1
+                    if p >= 0:  # the new key takes a window place; the pushed row or main's victim leaves
+                        rw[p] = False
+                        state[8] -= 1
+                        pls = np.log(rf[p]) - a * rf[p] * (now - rl[p])
+                        if not (v >= 0 and pls > vls):
+                            v = p
+                        _forget(pos, sketch, mask, rk, rf, v)
                     else:
-                        vk, vs = rk[v], rf[v]
-                        _pos_delete(pos, vk)
-                        for r in range(4):
-                            c = _lrfu_cell(vk, r, mask)
-                            if sketch[r, c] < vs:
-                                sketch[r, c] = vs
+                        cand = est - inc if state[3] else est
+                        if v < 0 or (admission and not (cand > 0.0 and np.log(cand) > vls)):
+                            v = -1
+                        else:
+                            _forget(pos, sketch, mask, rk, rf, v)
                 if v >= 0:
                     rk[v] = k
                     rf[v] = est
                     rl[v] = now
                     _pos_put(pos, k, v)
+                    if state[8] < wcap:
+                        rw[v] = True
+                        state[8] += 1
+                        ring[state[7] % rsz] = k
+                        state[7] += 1
+                        if state[7] - state[6] > rsz:
+                            state[6] = state[7] - rsz
         if tick_each:
             clock[0] += 1.0
             if 2.0 ** ((clock[0] - clock[1]) / clock[2]) >= _RENORM:
@@ -206,8 +252,8 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
 
 @numba.njit(cache=True, nogil=True)
 def _lrfu_batches(keys: np.ndarray, bounds: np.ndarray, clock: np.ndarray, rk: np.ndarray, rf: np.ndarray,
-                  rl: np.ndarray, pos: np.ndarray, state: np.ndarray, sketch: np.ndarray, admission: bool,
-                  rng: np.ndarray, hits: np.ndarray) -> None:
+                  rl: np.ndarray, rw: np.ndarray, ring: np.ndarray, pos: np.ndarray, state: np.ndarray,
+                  sketch: np.ndarray, admission: bool, rng: np.ndarray, hits: np.ndarray) -> None:
     """:func:`_lrfu_kernel` over consecutive batches ``keys[bounds[b]:bounds[b + 1]]`` in one call.
 
     Each batch shares one tick and increment and then moves the clock by its length; ``hits[b]``
@@ -215,7 +261,8 @@ def _lrfu_batches(keys: np.ndarray, bounds: np.ndarray, clock: np.ndarray, rk: n
     """
     for b in range(bounds.shape[0] - 1):
         lo, hi = bounds[b], bounds[b + 1]
-        hits[b] = _lrfu_kernel(keys[lo:hi], False, hi - lo, clock, rk, rf, rl, pos, state, sketch, admission, rng)
+        hits[b] = _lrfu_kernel(keys[lo:hi], False, hi - lo, clock, rk, rf, rl, rw, ring, pos, state, sketch,
+                               admission, rng)
 
 
 class LrfuSim:
@@ -245,11 +292,17 @@ class LrfuSim:
             *before* this access beats the victim's (the cache's ``strict`` setting of
             :class:`embcache.policy.Tuning`): a loop over more keys than the cache then keeps a
             fixed part of it instead of cycling every key through.
+        window: share of the capacity that is a window (W-TinyLFU's): every key entering takes a
+            window place, and the window's oldest row, pushed out, stays only if it scores above
+            the main region's sampled victim (0: no window).
+        once: a resident's accesses at one tick count once (a batch's repeats of a row, with
+            ``batch_ticks``; a session's dozens of repeats inside one batch otherwise make its rows
+            look hot).
     """
 
     def __init__(self, capacity: int, halflife: float | None = None, admission: bool = True,
                  idle_halving: float = DEFAULT_IDLE_HALVING, sample: int | None = 64, seed: int = 1,
-                 strict: bool = False) -> None:
+                 strict: bool = False, window: float = 0.0, once: bool = False) -> None:
         cap = _check_capacity(capacity)
         if not idle_halving > 0:
             raise ValueError(f"idle_halving must be > 0, got {idle_halving}")
@@ -263,13 +316,27 @@ class LrfuSim:
         self._rl = np.zeros(max(cap, 1), dtype=np.float64)
         self._pos = np.zeros((next_pow2(max(2 * cap, 16)), 2), dtype=np.int64)
         self._pos[:, 1] = -1
-        self._state = np.array([0, cap, sample or 0, int(strict)], dtype=np.int64)
+        self._rw = np.zeros(max(cap, 1), dtype=np.bool_)
+        self._ring = np.zeros(2 * max(cap, 1) + 16, dtype=np.int64)
+        self._state = np.array([0, cap, sample or 0, int(strict), 0, int(once), 0, 0, 0], dtype=np.int64)
+        self._set_window(window)
         self._sketch = np.zeros((4, next_pow2(max(8 * cap, 64))), dtype=np.float64)
         self._admission = admission
         self._rng = np.array([(seed * 0x9E3779B97F4A7C15 + 1) % (1 << 64) or 1], dtype=np.uint64)
 
-    def retune(self, halflife: float, idle_halving: float, strict: bool) -> None:
-        """Change the half-life, the idle discount and strict admission from now on.
+    def _set_window(self, window: float) -> None:
+        if not 0.0 <= window < 1.0:
+            raise ValueError(f"window must be in [0, 1), got {window}")
+        rows = max(1, round(window * self.capacity)) if window > 0 else 0
+        if rows != self._state[4]:  # a new window starts empty: its rows join the main region
+            self._rw[:] = False
+            self._state[4] = rows
+            self._state[6:9] = 0
+
+    def retune(self, halflife: float, idle_halving: float, strict: bool, window: float = 0.0,
+               once: bool = False) -> None:
+        """Change the half-life, the idle discount, strict admission, the window and counting once
+        per tick from now on.
 
         Frequencies are rescaled so that the current increment is 1, which makes the new
         half-life apply from this tick (what :meth:`embcache.policy.Clock.retune` does).
@@ -285,6 +352,8 @@ class LrfuSim:
         c[2] = halflife
         c[3] = idle_halving
         self._state[3] = int(strict)
+        self._state[5] = int(once)
+        self._set_window(window)
 
     def access(self, keys: np.ndarray, batch_ticks: int | None = None) -> int:
         """Replay ``keys`` (int64 [n]); returns how many hit.
@@ -297,7 +366,8 @@ class LrfuSim:
         """
         k = np.ascontiguousarray(keys, dtype=np.int64)
         return int(_lrfu_kernel(k, batch_ticks is None, int(batch_ticks or 0), self._clock, self._rk, self._rf,
-                                self._rl, self._pos, self._state, self._sketch, self._admission, self._rng))
+                                self._rl, self._rw, self._ring, self._pos, self._state, self._sketch,
+                                self._admission, self._rng))
 
     def access_batches(self, keys: np.ndarray, bounds: np.ndarray) -> np.ndarray:
         """Replay sampled batches ``keys[bounds[b]:bounds[b + 1]]`` as ``access(batch, len(batch))`` each.
@@ -308,8 +378,8 @@ class LrfuSim:
         k = np.ascontiguousarray(keys, dtype=np.int64)
         b = np.ascontiguousarray(bounds, dtype=np.int64)
         hits = np.zeros(max(b.shape[0] - 1, 0), dtype=np.int64)
-        _lrfu_batches(k, b, self._clock, self._rk, self._rf, self._rl, self._pos, self._state, self._sketch,
-                      self._admission, self._rng, hits)
+        _lrfu_batches(k, b, self._clock, self._rk, self._rf, self._rl, self._rw, self._ring, self._pos, self._state,
+                      self._sketch, self._admission, self._rng, hits)
         return hits
 
     def __len__(self) -> int:
