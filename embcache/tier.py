@@ -261,21 +261,23 @@ class MemoryTier:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
         return self.index.find(to_device(keys, self.device))
 
-    def find_touch(self, keys: torch.Tensor, increment: float, now: int) -> tuple[torch.Tensor, int]:
+    def find_touch(self, keys: torch.Tensor, increment: float, now: int,
+                   once: bool = False) -> tuple[torch.Tensor, int]:
         """Slots of ``keys`` (int64 [n], -1 where absent) and how many were found; each found
-        occurrence counts one access of weight ``increment`` (``freq += increment``, ``last = now``), in one pass."""
+        occurrence counts one access of weight ``increment`` (``freq += increment``, ``last = now``), in one pass;
+        with ``once``, a row counts one access per tick (its repeats in ``keys`` add nothing)."""
         if self.capacity == 0:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device), 0
-        return self.index.find_touch(to_device(keys, self.device), self.freq, self.last, increment, now)
+        return self.index.find_touch(to_device(keys, self.device), self.freq, self.last, increment, now, once)
 
-    def find_touch_gather(self, keys: torch.Tensor, increment: float, now: int,
-                          out: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def find_touch_gather(self, keys: torch.Tensor, increment: float, now: int, out: torch.Tensor,
+                          once: bool = False) -> tuple[torch.Tensor, int]:
         """:meth:`find_touch`, and the weights of every found key copied into ``out`` (float32 [n, dim]
         on this tier's device; the rows of absent keys are left as they were)."""
         if self.capacity == 0:
-            return self.find_touch(keys, increment, now)
+            return self.find_touch(keys, increment, now, once)
         return self.index.find_touch_gather(to_device(keys, self.device), self.freq, self.last, increment, now,
-                                            self.weights, out)
+                                            self.weights, out, once)
 
     def fused_scratch(self) -> FusedScratch:
         """Scratch buffers of the fused update kernel for this tier (made on first use)."""

@@ -412,6 +412,38 @@ def test_find_touch_equals_find_then_touch(n: int) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # NumbaIndex: the compiled pass, and probe-then-gather
+@pytest.mark.parametrize("n", [1000, 40_000])  # one pass, and the parallel find + serial touch
+def test_once_counts_a_row_at_most_once_per_tick(n: int, threads: int) -> None:
+    # a batch's repeats of a row count one access, and a row already counted at this tick none
+    rng = np.random.default_rng(5)
+    stored = torch.from_numpy(rng.choice(2**62, size=5000, replace=False))
+    keys = torch.cat([stored[torch.from_numpy(rng.integers(0, 5000, n))],
+                      torch.from_numpy(rng.integers(-(2**62), 0, n // 10))])  # repeats and misses
+    last0 = torch.from_numpy(rng.integers(5, 8, 5000))  # a third of the rows already touched at tick 7
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for index in [make_index(5000, "cpu"), TorchIndex(5000, "cpu")]:
+            index.insert(stored, torch.arange(5000))
+            for gather in (False, True):
+                freq, last = torch.full((5000,), 3.0), last0.clone()
+                if gather:
+                    rows, out = torch.randn(5000, 4), torch.zeros(keys.numel(), 4)
+                    slots, hits = index.find_touch_gather(keys, freq, last, 0.5, 7, rows, out, once=True)
+                    found = slots >= 0
+                    assert torch.equal(out[found], rows[slots[found]])
+                else:
+                    slots, hits = index.find_touch(keys, freq, last, 0.5, 7, once=True)
+                assert torch.equal(slots, index.find(keys)) and hits == n
+                seen = torch.bincount(slots[slots >= 0], minlength=5000) > 0
+                want = 3.0 + 0.5 * (seen & (last0 != 7)).to(torch.float32)
+                assert torch.equal(freq, want), type(index).__name__
+                assert torch.equal(last, torch.where(seen, 7, last0))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # NumbaIndex: the compiled pass, and probe-then-gather
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: the gather in torch
 # 3 and 20: shorter than the compiled pass's pipeline; 1000: one pass; 40,000: parallel find + serial touch
 @pytest.mark.parametrize("n", [3, 20, 1000, 40_000])

@@ -103,16 +103,18 @@ def records(freq: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch
     return f, la
 
 
+@pytest.mark.parametrize("once", [False, True])  # once: a row counts one access per tick
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dim", [1, 5, 64, 130])
-def test_touch_and_gather_match_the_torch_ops_bitwise(dev: torch.device, dtype: torch.dtype, dim: int) -> None:
+def test_touch_and_gather_match_the_torch_ops_bitwise(dev: torch.device, dtype: torch.dtype, dim: int,
+                                                      once: bool) -> None:
     fused, plain = pair(500, dev)
     keys = distinct_keys(450, 3, dev)
     both(fused, plain, "insert", keys[:400], torch.arange(400, device=dev))
     g = torch.Generator().manual_seed(dim)
     rows = torch.randn(500, dim, generator=g).to(dtype).to(dev)
     freq = torch.rand(500, generator=g).to(dev) * 1e6
-    last = torch.randint(0, 50, (500,), generator=g).to(dev)
+    last = torch.randint(70, 78, (500,), generator=g).to(dev)  # some rows already touched at ``now`` (77)
     # duplicates (each occurrence counts), misses, a repeated hot key
     q = torch.cat((keys[:300], keys[380:450], keys[:50], keys[7:8].repeat(40)))
     inc, now = 1.2345678912345678e10, 77  # more mantissa bits than a float32 holds
@@ -120,7 +122,7 @@ def test_touch_and_gather_match_the_torch_ops_bitwise(dev: torch.device, dtype: 
     for index in (fused, plain):
         out = torch.full((q.numel(), dim), -7.0, device=dev)  # misses' rows must stay as they were
         f, la = records(freq, last)
-        slots, hits = index.find_touch_gather(q, f, la, inc, now, rows, out)
+        slots, hits = index.find_touch_gather(q, f, la, inc, now, rows, out, once=once)
         outs.append(out)
         states.append((slots, f, la))
         counts.append(hits)
@@ -130,7 +132,7 @@ def test_touch_and_gather_match_the_torch_ops_bitwise(dev: torch.device, dtype: 
     for a, b in zip(states[0], states[1], strict=True):
         assert torch.equal(a, b)
     f, la = records(freq, last)
-    slots, hits = fused.find_touch(q, f, la, inc, now)  # without the gather
+    slots, hits = fused.find_touch(q, f, la, inc, now, once=once)  # without the gather
     assert hits == counts[1] and torch.equal(slots, states[1][0])
     assert torch.equal(f, states[1][1]) and torch.equal(la, states[1][2])
 

@@ -47,7 +47,7 @@ class KeyIndex(abc.ABC):
         """
 
     def find_touch(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float,
-                   now: int) -> tuple[torch.Tensor, int]:
+                   now: int, once: bool = False) -> tuple[torch.Tensor, int]:
         """:meth:`find`, and count one access per found key: ``freq[slot] += inc``, ``last[slot] = now``.
 
         Args:
@@ -55,11 +55,15 @@ class KeyIndex(abc.ABC):
             freq, last: float32 and int64 [capacity] per-slot counters on ``self.device`` (any stride;
                 another float dtype takes the torch ops).
             inc: weight of one access; now: the current tick.
+            once: a row counts at most one access per tick: only where ``last[slot] != now`` before
+                this call (its repeats in the batch, and a row already counted at ``now``, add nothing).
 
         Returns:
             (slots int64 [n], -1 where absent; how many keys were found).
         """
         slots = self.find(keys)
+        if once:
+            return slots, self._touch_once(slots, freq, last, inc, now)
         if self.device.type != "cpu":
             # On a GPU: no nonzero (a host sync to size its output); the count is the one sync
             # (the caller must know whether anything missed). Misses add 0 to slot 0's frequency
@@ -77,12 +81,30 @@ class KeyIndex(abc.ABC):
             last.index_fill_(0, hs, now)
         return slots, int(hit.numel())
 
+    @staticmethod
+    def _touch_once(slots: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float, now: int) -> int:
+        """The touch of :meth:`find_touch` with ``once``; returns how many were found.
+
+        Every occurrence of a slot reads the same old ``last`` and ``freq`` (gathered before any
+        write), so all its hits write the same new values, and ``amax`` keeps them over a miss's
+        (misses are masked to slot 0 and write its old values, which are never larger: ``inc`` >
+        0, ``now`` never goes back). No unique (on a GPU that would cost a host sync), and the
+        result does not depend on the order of the writes.
+        """
+        found = slots >= 0
+        at = slots.clamp(min=0)
+        old_last = last.index_select(0, at)
+        add = (found & (old_last != now)).to(freq.dtype) * inc
+        freq.scatter_reduce_(0, at, freq.index_select(0, at) + add, reduce="amax")
+        last.scatter_reduce_(0, at, torch.where(found, torch.full_like(old_last, now), old_last), reduce="amax")
+        return int(found.sum())
+
     def find_touch_gather(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float, now: int,
-                          rows: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+                          rows: torch.Tensor, out: torch.Tensor, once: bool = False) -> tuple[torch.Tensor, int]:
         """:meth:`find_touch`, and the row of every found key copied into ``out``.
 
         Args:
-            keys, freq, last, inc, now: as for :meth:`find_touch`.
+            keys, freq, last, inc, now, once: as for :meth:`find_touch`.
             rows: [capacity, dim] per-slot rows on ``self.device`` (any float dtype).
             out: float32 [n, dim] on ``self.device``: ``out[i] = rows[slot of keys[i]]`` where found;
                 the rows of absent keys are left as they were.
@@ -90,7 +112,7 @@ class KeyIndex(abc.ABC):
         Returns:
             As :meth:`find_touch`.
         """
-        slots, hits = self.find_touch(keys, freq, last, inc, now)
+        slots, hits = self.find_touch(keys, freq, last, inc, now, once)
         if hits == slots.numel() and rows.dtype == out.dtype:
             torch.index_select(rows, 0, slots, out=out)  # all found: one gather straight into out
         elif hits and self.device.type != "cpu":

@@ -141,9 +141,10 @@ def _lookup_py(tab: Any, skeys: Any, k: int, b: int, size: Any) -> tuple[Any, An
 
 
 def _probe_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any, freq: Any, last: Any, inc: float, now: int,
-              touch: bool, gather: bool, rows: Any, orows: Any, ahead: int) -> int:
+              once: bool, touch: bool, gather: bool, rows: Any, orows: Any, ahead: int) -> int:
     # The slots of keys into out (-1 where absent); with ``touch`` each hit counts one access of
-    # its row (freq += inc in float32, last = now) as it is confirmed, and with ``gather`` its row
+    # its row (freq += inc in float32, last = now; with ``once`` only where last != now, so a
+    # row counts once per tick) as it is confirmed, and with ``gather`` its row
     # of ``rows`` is copied into ``orows[i]`` too (a miss leaves orows[i] as it was). Returns the
     # hits. A rolling pipeline of three stages, ``ahead`` keys apart: key i + 2 * ahead is hashed
     # and its table entry prefetched; key i + ahead gets its candidate (the first entry with its
@@ -197,7 +198,8 @@ def _probe_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any, freq: Any, last
         if s >= 0:
             hits += 1
             if touch:
-                freq[s] += inc32
+                if not once or last[s] != now:
+                    freq[s] += inc32
                 last[s] = now
             if gather:
                 for c in range(dim):
@@ -207,33 +209,34 @@ def _probe_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any, freq: Any, last
 
 def _find_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any) -> None:
     none = np.empty((0, 0), np.float32)
-    _probe(tab, skeys, b, keys, out, np.empty(0, np.float32), np.empty(0, np.int64), 0.0, 0, False, False, none,
-           none, _FIND_AHEAD)
+    _probe(tab, skeys, b, keys, out, np.empty(0, np.float32), np.empty(0, np.int64), 0.0, 0, False, False, False,
+           none, none, _FIND_AHEAD)
 
 
 def _find_touch_py(tab: Any, skeys: Any, b: int, keys: Any, out: Any, freq: Any, last: Any, inc: float,
-                   now: int) -> int:
+                   now: int, once: bool) -> int:
     # _find_py, and each hit counts one access of its row: one pass instead of find, a hit count
     # and a touch.
     none = np.empty((0, 0), np.float32)
-    return _probe(tab, skeys, b, keys, out, freq, last, inc, now, True, False, none, none, _FIND_AHEAD)
+    return _probe(tab, skeys, b, keys, out, freq, last, inc, now, once, True, False, none, none, _FIND_AHEAD)
 
 
 def _find_gather_py(tab: Any, skeys: Any, b: int, keys: Any, slots: Any, freq: Any, last: Any, inc: float,
-                    now: int, rows: Any, out: Any) -> int:
+                    now: int, once: bool, rows: Any, out: Any) -> int:
     # _find_touch_py, and each hit's row of ``rows`` copied into ``out[i]``; keys closer together
     # in the pipeline, as each one in flight holds its row's lines too.
-    return _probe(tab, skeys, b, keys, slots, freq, last, inc, now, True, True, rows, out, _AHEAD)
+    return _probe(tab, skeys, b, keys, slots, freq, last, inc, now, once, True, True, rows, out, _AHEAD)
 
 
-def _touch_py(slots: Any, freq: Any, last: Any, inc: float, now: int) -> int:
+def _touch_py(slots: Any, freq: Any, last: Any, inc: float, now: int, once: bool) -> int:
     # The touch of _find_touch_py for slots found by a (parallel) find; returns the hits.
     inc32 = np.float32(inc)
     hits = 0
     for i in range(slots.shape[0]):
         s = slots[i]
         if s >= 0:
-            freq[s] += inc32
+            if not once or last[s] != now:
+                freq[s] += inc32
             last[s] = now
             hits += 1
     return hits
@@ -356,11 +359,11 @@ def _numba_kernels() -> dict[str, Any]:
             "insert": numba.njit(f"void({tab}, int64[::1], int64[::1])", cache=True, nogil=True)(_insert_py),
             "erase": numba.njit(f"int64({tab}, int64[::1])", cache=True, nogil=True)(_erase_py),
             "find_touch": numba.njit(f"int64({tab}, int64[::1], int64[::1], float32[:], int64[:], float64, "
-                                     "int64)", cache=True, nogil=True)(_find_touch_py),
-            "touch": numba.njit("int64(int64[::1], float32[:], int64[:], float64, int64)",
+                                     "int64, boolean)", cache=True, nogil=True)(_find_touch_py),
+            "touch": numba.njit("int64(int64[::1], float32[:], int64[:], float64, int64, boolean)",
                                 cache=True, nogil=True)(_touch_py),
             "find_gather": numba.njit(f"int64({tab}, int64[::1], int64[::1], float32[:], int64[:], float64, "
-                                      "int64, float32[:, ::1], float32[:, ::1])",
+                                      "int64, boolean, float32[:, ::1], float32[:, ::1])",
                                       cache=True, nogil=True)(_find_gather_py),
         }
         # Compile-or-load now, so that a failure surfaces here rather than mid-training.
@@ -371,7 +374,7 @@ def _numba_kernels() -> dict[str, Any]:
         kernels["find"](table, skeys, 2, keys, np.empty(3, np.int64))
         rows = np.zeros((3, 2), np.float32)
         kernels["find_gather"](table, skeys, 2, keys, np.empty(3, np.int64), np.zeros(3, np.float32),
-                                np.zeros(3, np.int64), 1.0, 0, rows, np.empty((3, 2), np.float32))
+                                np.zeros(3, np.int64), 1.0, 0, False, rows, np.empty((3, 2), np.float32))
         kernels["erase"](table, skeys, 2, keys)
         return kernels
 
@@ -540,7 +543,7 @@ class NumbaIndex(KeyIndex):
         return out
 
     def find_touch(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float,
-                   now: int) -> tuple[torch.Tensor, int]:
+                   now: int, once: bool = False) -> tuple[torch.Tensor, int]:
         """:meth:`KeyIndex.find_touch` in one compiled pass (CPU tensors; ``freq`` float32 and
         ``last`` int64, of any stride: a tier's are views of its rows' records).
 
@@ -548,18 +551,19 @@ class NumbaIndex(KeyIndex):
         after, on this thread (concurrent ``freq[s] += inc`` of a repeated slot would lose counts).
         """
         if freq.dtype != torch.float32 or last.dtype != torch.int64:
-            return super().find_touch(keys, freq, last, inc, now)
+            return super().find_touch(keys, freq, last, inc, now, once)
         k = self._np(keys)
         o = np.empty(k.shape[0], dtype=np.int64)
         out = torch.from_numpy(o)
         f, la = self._arrays(freq, last)
         if k.shape[0] >= 2 * _CHUNK and _Helpers.get() is not None:
             _shared_find(self._find_into, k, o)
-            return out, int(self._k["touch"](o, f, la, float(inc), int(now)))
-        return out, int(self._k["find_touch"](self._tab, self._skeys, self._bits, k, o, f, la, float(inc), int(now)))
+            return out, int(self._k["touch"](o, f, la, float(inc), int(now), bool(once)))
+        return out, int(self._k["find_touch"](self._tab, self._skeys, self._bits, k, o, f, la, float(inc), int(now),
+                                              bool(once)))
 
     def find_touch_gather(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float, now: int,
-                          rows: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+                          rows: torch.Tensor, out: torch.Tensor, once: bool = False) -> tuple[torch.Tensor, int]:
         """:meth:`KeyIndex.find_touch_gather`, in one compiled pass that probes, counts and copies
         when torch runs on one thread (and ``rows``, ``out`` are contiguous float32).
 
@@ -574,12 +578,12 @@ class NumbaIndex(KeyIndex):
         fits = (freq.dtype == torch.float32 and last.dtype == torch.int64 and rows.dtype == out.dtype == torch.float32
                 and rows.is_contiguous() and out.is_contiguous() and rows.dim() == out.dim() == 2)
         if torch.get_num_threads() > 1 or not fits:
-            return super().find_touch_gather(keys, freq, last, inc, now, rows, out)
+            return super().find_touch_gather(keys, freq, last, inc, now, rows, out, once)
         k = self._np(keys)
         slots = np.empty(k.shape[0], dtype=np.int64)
         f, la, r = self._arrays(freq, last, rows)
-        hits = self._k["find_gather"](self._tab, self._skeys, self._bits, k, slots, f, la, float(inc), int(now), r,
-                                      out.numpy())
+        hits = self._k["find_gather"](self._tab, self._skeys, self._bits, k, slots, f, la, float(inc), int(now),
+                                      bool(once), r, out.numpy())
         return torch.from_numpy(slots), int(hits)
 
     def insert(self, keys: torch.Tensor, slots: torch.Tensor) -> None:

@@ -183,26 +183,26 @@ class TorchIndex(KeyIndex):
         return self._find_one_pass(keys, h)
 
     def find_touch(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float,
-                   now: int) -> tuple[torch.Tensor, int]:
+                   now: int, once: bool = False) -> tuple[torch.Tensor, int]:
         """As :meth:`KeyIndex.find_touch`; one kernel launch when :attr:`fused`."""
         keys = keys.reshape(-1)
         if keys.numel() and freq.dtype == torch.float32 and last.dtype == torch.int64:
-            found = self._fused_probe(keys, freq, last, touch=(freq, last, inc, now), count=True)
+            found = self._fused_probe(keys, freq, last, touch=(freq, last, inc, now, once), count=True)
             if found is not None:
                 return found[0], int(found[1])  # type: ignore[arg-type]  # the one host sync
-        return super().find_touch(keys, freq, last, inc, now)
+        return super().find_touch(keys, freq, last, inc, now, once)
 
     def find_touch_gather(self, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, inc: float, now: int,
-                          rows: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+                          rows: torch.Tensor, out: torch.Tensor, once: bool = False) -> tuple[torch.Tensor, int]:
         """As :meth:`KeyIndex.find_touch_gather`; one kernel launch when :attr:`fused`."""
         keys = keys.reshape(-1)
         if (keys.numel() and freq.dtype == torch.float32 and last.dtype == torch.int64 and rows.dim() == 2
                 and rows.stride(1) == 1 and out.stride(1) == 1):
-            found = self._fused_probe(keys, freq, last, rows, out, touch=(freq, last, inc, now), gather=(rows, out),
-                                      count=True)
+            found = self._fused_probe(keys, freq, last, rows, out, touch=(freq, last, inc, now, once),
+                                      gather=(rows, out), count=True)
             if found is not None:
                 return found[0], int(found[1])  # type: ignore[arg-type]  # the one host sync
-        return super().find_touch_gather(keys, freq, last, inc, now, rows, out)
+        return super().find_touch_gather(keys, freq, last, inc, now, rows, out, once)
 
     def _fused_probe(self, keys: torch.Tensor, *tensors: torch.Tensor,
                      **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -13,7 +13,8 @@ The host was the limit, whatever the batch. This kernel does the same work in on
   sorted stash (a binary search, only when the stash is not empty);
 - ``touch``: ``freq[slot] += inc`` in float32 (an atomic add; every addend of one call is the
   same ``inc``, rounded to float32 as torch's ``index_add_`` rounds it, so the sum does not
-  depend on the order) and ``last[slot] = now``;
+  depend on the order) and ``last[slot] = now``; with ``once``, ``last`` is exchanged atomically
+  and only an occurrence that found it other than ``now`` adds (one per row and tick);
 - ``gather``: the found rows, converted to float32, into ``out`` (absent keys' rows untouched);
 - ``count``: the number found, added into a one-element counter (the one host sync is the
   caller's read of it).
@@ -39,7 +40,7 @@ def _probe_kernel(keys_ptr, n, tkeys_ptr, tslots_ptr, nb, skeys_ptr, sslots_ptr,
                   rows_ptr, row_stride, out_ptr, out_stride, dim,
                   slots_ptr, hits_ptr,
                   W: tl.constexpr, BLOCK: tl.constexpr, DBLOCK: tl.constexpr, STASH: tl.constexpr,
-                  TOUCH: tl.constexpr, GATHER: tl.constexpr, COUNT: tl.constexpr):
+                  TOUCH: tl.constexpr, ONCE: tl.constexpr, GATHER: tl.constexpr, COUNT: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     k = tl.load(keys_ptr + offs, mask=live, other=0)
@@ -78,8 +79,13 @@ def _probe_kernel(keys_ptr, n, tkeys_ptr, tslots_ptr, nb, skeys_ptr, sslots_ptr,
         hit = hit | found
     tl.store(slots_ptr + offs, slot, mask=live)
     if TOUCH:
-        tl.atomic_add(freq_ptr + slot * freq_stride, tl.full([BLOCK], inc, tl.float32), mask=hit)
-        tl.store(last_ptr + slot * last_stride, tl.full([BLOCK], now, tl.int64), mask=hit)
+        stamp = tl.full([BLOCK], now, tl.int64)
+        if ONCE:
+            old = tl.atomic_xchg(last_ptr + slot * last_stride, stamp, mask=hit)
+            tl.atomic_add(freq_ptr + slot * freq_stride, tl.full([BLOCK], inc, tl.float32), mask=hit & (old != now))
+        else:
+            tl.atomic_add(freq_ptr + slot * freq_stride, tl.full([BLOCK], inc, tl.float32), mask=hit)
+            tl.store(last_ptr + slot * last_stride, stamp, mask=hit)
     if GATHER:
         dcols = tl.arange(0, DBLOCK)
         for d0 in range(0, dim, DBLOCK):
@@ -106,7 +112,7 @@ def interpreted() -> bool:
 
 def probe(keys: torch.Tensor, table_keys: torch.Tensor, table_slots: torch.Tensor, n_buckets: int, width: int,
           stash_keys: torch.Tensor, stash_slots: torch.Tensor, *,
-          touch: tuple[torch.Tensor, torch.Tensor, float, int] | None = None,
+          touch: tuple[torch.Tensor, torch.Tensor, float, int, bool] | None = None,
           gather: tuple[torch.Tensor, torch.Tensor] | None = None,
           count: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Slots of ``keys`` in a TorchIndex's tables, in one launch.
@@ -116,8 +122,9 @@ def probe(keys: torch.Tensor, table_keys: torch.Tensor, table_slots: torch.Tenso
         table_keys, table_slots: the flat int64 and int32 [n_buckets * width (+ more)] entry tables.
         n_buckets, width: the table's buckets and entries per bucket.
         stash_keys, stash_slots: the sorted stash (int64, int32 [s]); may be empty.
-        touch: ``(freq float32 [cap], last int64 [cap], inc, now)``, any stride (a tier's are
-            views of its rows' records): count one access per found key.
+        touch: ``(freq float32 [cap], last int64 [cap], inc, now, once)``, any stride (a tier's
+            are views of its rows' records): count one access per found key (with ``once``, one
+            per row whose ``last`` was not ``now``).
         gather: ``(rows [cap, dim], out float32 [n, dim])``, each with unit stride along ``dim``:
             ``out[i] = rows[slot of keys[i]]`` where found.
         count: also return how many keys were found (an int32 [1] tensor on the device).
@@ -130,7 +137,7 @@ def probe(keys: torch.Tensor, table_keys: torch.Tensor, table_slots: torch.Tenso
     slots = torch.empty(n, dtype=torch.int64, device=device)
     hits = torch.zeros(1, dtype=torch.int32, device=device) if count else None
     n_stash = int(stash_keys.numel())
-    freq, last, inc, now = touch if touch is not None else (slots, slots, 0.0, 0)
+    freq, last, inc, now, once = touch if touch is not None else (slots, slots, 0.0, 0, False)
     rows, out = gather if gather is not None else (slots, slots)
     dim = int(out.shape[1]) if gather is not None else 1
     stash_k = stash_keys if n_stash else slots
@@ -142,5 +149,5 @@ def probe(keys: torch.Tensor, table_keys: torch.Tensor, table_slots: torch.Tenso
         rows, rows.stride(0) if gather is not None else 1, out, out.stride(0) if gather is not None else 1, dim,
         slots, hits if hits is not None else slots,
         W=width, BLOCK=BLOCK, DBLOCK=min(128, triton.next_power_of_2(dim)), STASH=n_stash > 0,
-        TOUCH=touch is not None, GATHER=gather is not None, COUNT=count)
+        TOUCH=touch is not None, ONCE=bool(once), GATHER=gather is not None, COUNT=count)
     return slots, hits
