@@ -33,7 +33,8 @@ The cache's are counts too, but not quite repeatable: its policy tuner (``CacheC
 replays its sample on a background thread, so the batch at which a new setting takes effect, and
 whether a batch is left out of the sample when that thread falls behind, depend on the thread's
 timing (a 6,000-access loop moved by 0.3 points between the first run in a process, which
-compiles the tuner's code, and the next; ``tests/test_bench_smoke.py`` allows 2 points there).
+compiles the tuner's code, and the next, and user sessions at 40 rows by 2.6 points;
+``tests/test_bench_smoke.py`` allows 4 points there).
 
 Outputs: a Markdown table per workload and a summary at 1% capacity (printed, and written to
 ``bench/results/policy.md``), the numbers as JSON in ``bench/results/policy.json`` (with the

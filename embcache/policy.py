@@ -54,9 +54,11 @@ discount, without which finished bursts hold their slots far longer.
 **Tuning.** No one setting suits every workload: user sessions want a half-life of a few times
 the rows, a stationary Zipf a long one without the discount, a loop over more keys than memory
 holds *strict admission* (a row from below must beat the victim without the access it is making,
-so rows of equal standing do not churn). With ``CacheConfig.tune_policy`` (on by default, unless
+so rows of equal standing do not churn), item and user sessions a *window* in front of HBM that
+every row coming up enters (:mod:`embcache.engine.window`) and a batch's repeats of a row counted
+as one access. With ``CacheConfig.tune_policy`` (on by default, unless
 ``halflife`` is set) the table's miss-ratio estimator also replays its sample of keys through
-twelve miniature caches, one per setting of :data:`embcache.sim.tuner.GRID`, and the table
+sixteen miniature caches, one per setting of :data:`embcache.sim.tuner.GRID`, and the table
 switches to the setting whose miniature hit most recently (:meth:`Clock.retune` rescales the
 frequencies, so past accesses keep their weights). See :mod:`embcache.sim.tuner` for the figures.
 

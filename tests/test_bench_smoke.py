@@ -301,7 +301,11 @@ def test_bench_policy_workers_count_the_same_hits() -> None:
 
     The reference simulators count exactly. The cache's ratio may move a little: its policy tuner
     runs on a background thread, so the batch at which a new setting takes effect (and whether a
-    batch is dropped from its sample when that thread lags) depends on the thread's timing.
+    batch is dropped from its sample when that thread lags) depends on the thread's timing. At
+    this size (40 rows; the tuner's miniatures hold 3) that moves user sessions by up to 2.6
+    points: the first run in a process, whose tuner starts late (it loads its compiled code),
+    gave 0.6465, the five after it 0.6203 each; the window settings tried since 3807e2e make the
+    choice matter more there.
     """
     args = bench_policy.parse_args(["--n-keys", "2000", "--n-accesses", "6000", "--capacities", "0.02",
                                     "--workloads", "loop", "sessions-users", "--jobs", "1"])
@@ -315,7 +319,7 @@ def test_bench_policy_workers_count_the_same_hits() -> None:
         exact = {k: v for k, v in one[name]["hit_ratio"].items() if k != mine}
         assert {k: v for k, v in two[name]["hit_ratio"].items() if k != mine} == exact, name
         assert 0 < one[name]["hit_ratio"][mine][0] < 1
-        assert two[name]["hit_ratio"][mine][0] == pytest.approx(one[name]["hit_ratio"][mine][0], abs=0.02), name
+        assert two[name]["hit_ratio"][mine][0] == pytest.approx(one[name]["hit_ratio"][mine][0], abs=0.04), name
 
 
 def test_bench_scale_times_full_tiers(tmp_path: Path) -> None:

@@ -240,6 +240,7 @@ def touch_resident(t: TableEngine, tier: MemoryTier, slots: torch.Tensor) -> Non
     """An update touched the resident rows at ``slots`` of ``tier`` (only when rows expire)."""
     if t.expiry is not None and slots.numel():
         tier.last.index_fill_(0, slots.to(tier.device), t.clock.now)
+        t.tick_stamped = True
 
 
 def write_leaving_touches(t: TableEngine, rows: RowBatch) -> None:

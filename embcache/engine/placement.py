@@ -29,11 +29,13 @@ from ..keyset import Keyset
 from ..tier import MemoryTier, RowBatch, ScoreOf, to_device
 from . import expiry
 from .rows import StagedRead, merge_in_order
+from .window import Window
 
 if TYPE_CHECKING:
     from .table import TableEngine
 
-__all__ = ["Plan", "commit", "forget_leaving", "plan_access", "plan_arrange", "write_leaving"]
+__all__ = ["Plan", "WindowAdmission", "admit", "admit_windowed", "commit", "forget_leaving", "plan_access",
+           "plan_arrange", "write_leaving"]
 
 # the fewest victims admit() asks a tier for at first
 _MIN_VICTIMS = 64
@@ -58,6 +60,8 @@ class Plan:
     into_ddr: torch.Tensor  # indices into ``demoted + staged`` entering DDR, in order
     demoted_out: torch.Tensor  # indices of ``demoted`` leaving memory
     staged_out: torch.Tensor  # indices of ``staged`` staying out of memory
+    window_pushed: int = 0  # HBM's window: its oldest rows that leave it
+    window_entering: torch.Tensor | None = None  # keys entering HBM's window, in order
 
 
 def _empty(device: torch.device | None = None) -> torch.Tensor:
@@ -107,6 +111,8 @@ def commit(t: TableEngine, plan: Plan, read: StagedRead | None = None) -> RowBat
     t.ddr.remove(torch.cat([plan.up, plan.ddr_victims]))
     h_slots = t.hbm.insert(RowBatch.cat([p_rows, staged.select(plan.staged_up)]))
     d_slots = t.ddr.insert(_take(plan.demoted, staged, plan.into_ddr))
+    if t.window is not None and plan.window_entering is not None:
+        t.window.advance(t.hbm, plan.window_pushed, plan.window_entering)
     # the keys and counts of the rows staying out are known before their values are read
     out_keys, out_freq = staged.keys.index_select(0, plan.staged_out), staged.freq.index_select(0, plan.staged_out)
     forget_leaving(t, torch.cat([dv.keys, d_out.keys, out_keys]), torch.cat([dv.freq, d_out.freq, out_freq]))
@@ -148,6 +154,43 @@ def _take(demoted: RowBatch, staged: RowBatch, index: torch.Tensor) -> RowBatch:
     return merge_in_order(demoted.select(index[from_d]), staged.select(index[~from_d] - n), from_d)
 
 
+def _displace(t: TableEngine, tier: MemoryTier, contenders: torch.Tensor, forced: int,
+              exclude: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+    """Rows of ``tier`` to give up: the lowest ``forced`` (departures owed, no contest), then one
+    for each of ``contenders`` (scores, CPU, best first) that beats the next lowest row.
+
+    Returns:
+        (victim slots, lowest first; how many of ``forced`` were found; how many contenders won).
+        Contenders descend and victims ascend, so the winners are a prefix of ``contenders``.
+    """
+    want = min(forced + contenders.numel(), tier.capacity)
+    if want <= 0:
+        return _empty(tier.device), 0, 0
+    # Few candidates beat a resident row (~1.5% of HBM's at 1% HBM on Zipf 1.1), so ask first
+    # for about as many victims as last time, and for all ``want`` only when each of those was
+    # beaten: choosing 2x the need instead of ``want`` halved lowest()'s cost.
+    guess = forced + max(_MIN_VICTIMS, 2 * t.last_swaps.get(tier.tier, want))
+    k = min(want, guess) if t.policy.admission else want
+    while True:
+        victims, vscores = tier.lowest(k, t.scores_of(tier), t.config.eviction_sample, exclude,
+                                       t.generator_for(tier))
+        m = victims.numel()
+        got = min(forced, m)
+        rest = m - got
+        if t.policy.admission and rest:
+            # strict admission (a tuned setting): a contender must beat the victim without the
+            # access it is making now, as if the victim had been accessed too
+            margin = t.clock.increment() if t.strict else 0.0
+            wins = int((contenders[:rest] > vscores[got:].cpu() + margin).sum())
+        else:
+            wins = min(rest, contenders.numel())
+        if wins < rest or m < k or k == want:
+            break
+        k = want
+    t.last_swaps[tier.tier] = wins
+    return victims[:got + wins], got, wins
+
+
 def admit(t: TableEngine, tier: MemoryTier, cand_scores: torch.Tensor, extra_free: int,
           exclude: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan which candidates enter ``tier``: (candidate indices admitted, victim slots displaced).
@@ -159,33 +202,62 @@ def admit(t: TableEngine, tier: MemoryTier, cand_scores: torch.Tensor, extra_fre
         return _empty(), _empty(tier.device)
     order = torch.argsort(cand_scores, descending=True, stable=True)
     free = min(tier.free + extra_free, n)
-    want = min(n - free, tier.capacity)
-    victims = _empty(tier.device)
-    swaps = 0
-    if want > 0:
-        # Few candidates beat a resident row (~1.5% of HBM's at 1% HBM on Zipf 1.1), so ask
-        # first for about as many victims as last time, and for all ``want`` only when each
-        # of those was beaten: choosing 2x the need instead of ``want`` halved lowest()'s cost.
-        k = min(want, max(_MIN_VICTIMS, 2 * t.last_swaps.get(tier.tier, want))) if t.policy.admission else want
-        while True:
-            victims, vscores = tier.lowest(k, t.scores_of(tier), t.config.eviction_sample, exclude,
-                                           t.generator_for(tier))
-            m = victims.numel()
-            if t.policy.admission and m:
-                # candidates descend and victims ascend, so the winners form a prefix
-                # strict admission (a tuned setting): a candidate must beat the victim without the
-                # access it is making now, as if the victim had been accessed too
-                margin = t.clock.increment() if t.strict else 0.0
-                beats = cand_scores[order[free:free + m]] > vscores.cpu() + margin
-                swaps = int(beats.sum())
-            else:
-                swaps = m
-            if swaps < m or m < k or k == want:
-                break
-            k = want
-        t.last_swaps[tier.tier] = swaps
-        victims = victims[:swaps]
-    return order[:free + swaps], victims
+    victims, _, wins = _displace(t, tier, cand_scores.index_select(0, order[free:]), 0, exclude)
+    return order[:free + wins], victims
+
+
+@dataclass
+class WindowAdmission:
+    """What :func:`admit_windowed` decided: who enters, who leaves, and the window's change."""
+
+    admitted: torch.Tensor  # candidate indices entering the tier
+    victims: torch.Tensor  # slots given up: main's rows displaced, and window rows pushed out that lost
+    pushed: int  # the window's oldest rows that left it
+    entering: torch.Tensor  # candidate indices entering the window, in order
+
+
+def admit_windowed(t: TableEngine, tier: MemoryTier, window: Window, cand_scores: torch.Tensor) -> WindowAdmission:
+    """Plan admission into ``tier`` through ``window`` (see :mod:`embcache.engine.window`).
+
+    Every candidate takes a window place, best first (as :class:`embcache.sim.LrfuSim` replays
+    it); the window keeps the last ``window.rows`` that entered, and the rest are pushed out,
+    oldest first (old window rows, then this batch's first candidates). Each pushed row that
+    needs room (one departure per candidate beyond the free slots) contests one of the main
+    region's lowest rows, best against lowest: the higher score stays, the other leaves. Pushed
+    rows beyond the departures owed, and pinned ones, join the main region outright; departures
+    owed beyond the pushed rows (a window still filling) are main's lowest rows, and where too
+    few rows can leave, the last candidates stay out.
+    """
+    n = cand_scores.numel()
+    if n == 0 or tier.capacity == 0:
+        return WindowAdmission(_empty(), _empty(tier.device), 0, _empty())
+    order = torch.argsort(cand_scores, descending=True, stable=True)
+    live = window.live(tier)
+    n_old = live.numel()
+    need = n - min(tier.free, n)  # departures for every candidate to enter
+    over = max(0, n_old + n - window.rows)
+    p_old = min(over, n_old)
+    p_new = over - p_old
+    old_slots = live[:p_old]
+    p_scores = torch.cat([t.scores_of(tier)(old_slots).cpu(), cand_scores.index_select(0, order[:p_new])])
+    # pinned old rows cannot leave: they join main without a contest (the last in rank)
+    pinned = torch.cat([(tier.pins_at(old_slots) > 0).cpu(), torch.zeros(p_new, dtype=torch.bool)])
+    rank = torch.argsort(torch.where(pinned, torch.inf, p_scores), descending=True, stable=True)
+    eligible = over - int(pinned.sum())
+    contests = min(eligible, need)
+    skip = int(pinned.sum()) + eligible - contests  # pushed rows joining main outright
+    victims, got, wins = _displace(t, tier, p_scores.index_select(0, rank[skip:skip + contests]), need - contests,
+                                   live)
+    lost = rank[skip + wins:skip + contests]  # pushed rows that lost their contest (or found no victim)
+    lost_old, lost_new = lost[lost < p_old], lost[lost >= p_old] - p_old
+    dropped = need - contests - got  # departures owed that no row could make
+    kept = torch.ones(n, dtype=torch.bool)
+    kept[order[lost_new]] = False
+    kept[order[n - dropped:]] = False
+    entering = order[p_new:n - dropped]
+    return WindowAdmission(admitted=order[kept.index_select(0, order)],
+                           victims=torch.cat([victims, old_slots.index_select(0, to_device(lost_old, tier.device))]),
+                           pushed=p_old, entering=entering)
 
 
 def plan_access(t: TableEngine, ddr_cands: torch.Tensor, staged: RowBatch) -> Plan:
@@ -195,8 +267,15 @@ def plan_access(t: TableEngine, ddr_cands: torch.Tensor, staged: RowBatch) -> Pl
     n_d = ddr_cands.numel()
     d_scores = t.policy.score(t.ddr.freq[ddr_cands], t.ddr.last[ddr_cands], t.clock)
     s_scores = t.policy.score(staged.freq, staged.last, t.clock)
-    # 1. HBM: promote the best of (DDR rows accessed, staged rows)
-    admitted_h, victims_h = admit(t, t.hbm, torch.cat([d_scores, s_scores]), 0, None)
+    # 1. HBM: promote the best of (DDR rows accessed, staged rows), through its window if it has one
+    cand_scores = torch.cat([d_scores, s_scores])
+    pushed, entering = 0, None
+    if t.window is None:
+        admitted_h, victims_h = admit(t, t.hbm, cand_scores, 0, None)
+    else:
+        w = admit_windowed(t, t.hbm, t.window, cand_scores)
+        admitted_h, victims_h, pushed = w.admitted, w.victims, w.pushed
+        entering = torch.cat([t.ddr.keys.index_select(0, ddr_cands), staged.keys]).index_select(0, w.entering)
     up = ddr_cands[admitted_h[admitted_h < n_d]]
     staged_up = admitted_h[admitted_h >= n_d] - n_d
     staged_left = torch.ones(len(staged), dtype=torch.bool)
@@ -215,7 +294,8 @@ def plan_access(t: TableEngine, ddr_cands: torch.Tensor, staged: RowBatch) -> Pl
     return Plan(up=up, hbm_victims=victims_h, ddr_victims=victims_d, demoted=demoted, staged=staged,
                 staged_up=staged_up,
                 into_ddr=torch.cat([torch.nonzero(hv_in).flatten(), n_hv + rest[rest_in]]),
-                demoted_out=torch.nonzero(~hv_in).flatten(), staged_out=rest[~rest_in])
+                demoted_out=torch.nonzero(~hv_in).flatten(), staged_out=rest[~rest_in], window_pushed=pushed,
+                window_entering=entering)
 
 
 def boosted_scores(t: TableEngine, keys: torch.Tensor, freq: torch.Tensor, last: torch.Tensor,

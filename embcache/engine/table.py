@@ -56,6 +56,7 @@ from .rows import (
     steps_meta,
 )
 from .stats import TableStats
+from .window import Window
 
 __all__ = ["STAGE_CHUNK", "RowUpdate", "TableEngine"]
 
@@ -129,9 +130,16 @@ class TableEngine:
         self.recent: RowBatch | None = None
         self.recent_writes = -1
         self.mrc: MissRatioEstimator | None = None
-        # the policy's tuned setting (None: the configured one) and strict admission (placement.admit)
+        # the policy's tuned setting (None: the configured one), strict admission (placement.admit),
+        # HBM's window (engine/window.py) and counting a row once per tick (a batch's repeats)
         self.setting: Setting | None = None
         self.strict = False
+        self.window: Window | None = None
+        self.once = False
+        # whether something other than a lookup stamped the current tick as a row's last access
+        # (a prefetch staging rows, an update's touch): a lookup counting once per tick then
+        # moves the clock on first, so that it does not take those rows as counted already
+        self.tick_stamped = False
         self.reset_mrc()
         self.pass_keyset: Keyset | None = None
         self.pass_pinned = torch.empty(0, dtype=torch.int64)
@@ -222,6 +230,7 @@ class TableEngine:
 
     def advance_clock(self, n: int) -> None:
         """Advance the aging clock by ``n`` accesses, halving every count when a half-life passes."""
+        self.tick_stamped = False
         factor = self.clock.advance(n)
         if factor is not None:
             self._scale_frequencies(factor)
@@ -239,9 +248,11 @@ class TableEngine:
         the slots found here (:class:`~embcache.engine.found.FoundSlots`)."""
         n = keys.numel()
         t0 = time.perf_counter()
+        if self.once and self.tick_stamped:
+            self.advance_clock(1)
         now, inc = self.clock.now, self.clock.increment()
         # probe, count the hits and their accesses, copy their rows into out: one pass
-        slots, n_hit = self.hbm.find_touch_gather(keys, inc, now, out)
+        slots, n_hit = self.hbm.find_touch_gather(keys, inc, now, out, self.once)
         self.stats.hbm.seconds += time.perf_counter() - t0
         if n_hit == n:
             self.found.remember(raw, self.hbm, slots)
@@ -282,8 +293,18 @@ class TableEngine:
         self._scale_frequencies(self.clock.retune(default_halflife(memory_rows, setting.halflife_rows)))
         self.policy = make_policy("lrfu", self.policy.admission, setting.idle_halving)
         self.strict = setting.strict
+        self.once = setting.once
+        if self.setting is None or setting.window != self.setting.window:
+            self.window = Window.of_share(setting.window, self.hbm.capacity, self.hbm.device)  # starts empty
         self.setting = setting
         self.stats.policy_switches += 1
+
+    def access_amounts(self, counts: torch.Tensor, inc: float) -> torch.Tensor:
+        """What the accesses of unique keys looked up ``counts`` times add to their frequencies
+        (float64): ``inc`` each, or once per key when counting once per tick."""
+        if self.once:
+            return torch.full(counts.shape, inc, dtype=torch.float64)
+        return counts.to(torch.float64) * inc
 
     def _below_hbm(self, ukeys: torch.Tensor, counts: torch.Tensor, inc: float, now: int) -> torch.Tensor:
         """Values (float32 [u, dim], cache device) of unique keys missing from HBM; places them."""
@@ -308,7 +329,7 @@ class TableEngine:
         if d_slots.numel():
             values.index_copy_(0, d_pos, self.ddr.weights.index_select(0, d_slots).to(torch.float32))
             d_counts = cpu_counts.index_select(0, d_pos)
-            self.ddr.touch(d_slots, d_counts.to(torch.float64) * inc, now)
+            self.ddr.touch(d_slots, self.access_amounts(d_counts, inc), now)
             d_hits = int(d_counts.sum())
         self.stats.ddr.seconds += time.perf_counter() - t1
         read: StagedRead | None = None
@@ -368,8 +389,9 @@ class TableEngine:
                    weights: torch.Tensor, state: torch.Tensor) -> RowBatch:
         """Clean rows of ``keys`` with ``weights`` and ``state``, their frequencies from the sketch
         (with ``counts``, this access is added first)."""
+        self.tick_stamped = True  # the rows' last access is ``now``
         if keys.numel() and counts is not None:
-            freq = self.sketch.add_and_estimate(keys, counts.to(torch.float64) * inc)
+            freq = self.sketch.add_and_estimate(keys, self.access_amounts(counts, inc))
         else:
             freq = self.sketch.estimate(keys) if keys.numel() else torch.empty(0, dtype=torch.float64)
         return clean_rows(keys, weights, state, freq, now)
@@ -570,6 +592,7 @@ class TableEngine:
         finally:
             release_cached_memory(self.device)  # the staging of the inserts
         self.hbm, self.ddr = hbm, ddr
+        self.window = Window.of_share(self.setting.window if self.setting else 0.0, hbm.capacity, hbm.device)
         self.reset_mrc()
         placement.forget_leaving(self, leaving.keys, leaving.freq)
 
