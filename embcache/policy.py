@@ -58,7 +58,7 @@ so rows of equal standing do not churn), item and user sessions a *window* in fr
 every row coming up enters (:mod:`embcache.engine.window`) and a batch's repeats of a row counted
 as one access. With ``CacheConfig.tune_policy`` (on by default, unless
 ``halflife`` is set) the table's miss-ratio estimator also replays its sample of keys through
-sixteen miniature caches, one per setting of :data:`embcache.sim.tuner.GRID`, and the table
+fourteen miniature caches, one per setting of :data:`embcache.sim.tuner.GRID`, and the table
 switches to the setting whose miniature hit most recently (:meth:`Clock.retune` rescales the
 frequencies, so past accesses keep their weights). See :mod:`embcache.sim.tuner` for the figures.
 

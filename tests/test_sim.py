@@ -226,7 +226,7 @@ CASES = random_traces()
 
 
 def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | None = None,
-               idle_halving: float = 2.5, window: float = 0.0, once: bool = False) -> int:
+               idle_halving: float = 2.5, window: float = 0.0, once: bool = False, as_cache: bool = False) -> int:
     """LRFU with count-min admission and the idle discount, as LrfuSim with ``sample=None``.
 
     A resident's score is its aged frequency halved per ``idle_halving`` missed accesses
@@ -235,7 +235,9 @@ def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | No
     min(counters) + increment, no further. With ``window``, keys entering take a place in a
     FIFO window of ``round(window * capacity)`` rows; a full window's oldest key, pushed out,
     stays only if it scores above the exact minimum of the keys outside the window. With
-    ``once``, a resident's accesses at one tick count once.
+    ``once``, a resident's accesses at one tick count once. With ``as_cache`` (and ``batch``), a
+    key hits only if resident when its batch began, and the batch's missed keys are placed after
+    it, each once, highest estimate first (ties: the smaller key).
     """
     w_rows = max(1, round(window * capacity)) if window > 0 else 0
     fifo: list[int] = []  # the window's keys, oldest first
@@ -245,29 +247,24 @@ def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | No
     sketch = [[0.0] * width for _ in range(4)]
     freq: dict[int, float] = {}
     last: dict[int, int] = {}
-    hits = 0
-    for i, k in enumerate(trace):
-        tick = i if batch is None else (i // batch) * batch
-        inc = 2.0 ** (tick / halflife)
-        if k in freq:
-            hits += 1
-            if not (once and last[k] == tick):
-                freq[k] += inc
-            last[k] = tick
-            continue
+
+    def estimate(k: int, amount: float) -> float:
         cells = [rp.sketch_hash(k, r) % width for r in range(4)]
-        est = min(sketch[r][c] for r, c in enumerate(cells)) + inc
+        est = min(sketch[r][c] for r, c in enumerate(cells)) + amount
         for r, c in enumerate(cells):
             sketch[r][c] = max(sketch[r][c], est)
+        return est
+
+    def place(k: int, est: float, inc: float, tick: int) -> None:
         if not capacity:
-            continue
+            return
         if len(freq) < capacity:
             freq[k], last[k] = est, tick
             if len(fifo) < w_rows:
                 fifo.append(k)
-            continue
+            return
 
-        def score(key: int, inc: float = inc, tick: int = tick) -> float:
+        def score(key: int) -> float:
             missed = freq[key] / inc * math.log(2.0) / halflife * (tick - last[key])
             return freq[key] * 2.0 ** (-missed / idle_halving)
         main = [key for key in freq if key not in fifo]
@@ -278,7 +275,7 @@ def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | No
         elif victim is not None and est > score(victim):
             leaving = victim
         else:
-            continue
+            return
         vs = freq.pop(leaving)
         del last[leaving]
         for r in range(4):
@@ -287,7 +284,54 @@ def brute_lrfu(trace: list[int], capacity: int, halflife: float, batch: int | No
         freq[k], last[k] = est, tick
         if len(fifo) < w_rows:
             fifo.append(k)
+
+    hits = 0
+    if as_cache:
+        assert batch is not None
+        for lo in range(0, len(trace), batch):
+            tick, part = lo, trace[lo:lo + batch]
+            inc = 2.0 ** (tick / halflife)
+            missed: dict[int, float] = {}
+            for k in part:
+                if k in freq:
+                    hits += 1
+                    if not (once and last[k] == tick):
+                        freq[k] += inc
+                    last[k] = tick
+                else:
+                    missed[k] = inc if once else missed.get(k, 0.0) + inc
+            ests = {k: estimate(k, amount) for k, amount in sorted(missed.items())}
+            for k in sorted(ests, key=lambda key: (-ests[key], key)):
+                place(k, ests[k], inc, tick)
+        return hits
+    for i, k in enumerate(trace):
+        tick = i if batch is None else (i // batch) * batch
+        inc = 2.0 ** (tick / halflife)
+        if k in freq:
+            hits += 1
+            if not (once and last[k] == tick):
+                freq[k] += inc
+            last[k] = tick
+            continue
+        place(k, estimate(k, inc), inc, tick)
     return hits
+
+
+@pytest.mark.parametrize(("window", "once"), [(0.0, False), (0.0, True), (0.25, True)])
+def test_lrfu_as_cache_matches_brute_force(window: float, once: bool) -> None:
+    # batches served as the cache serves lookups: hits only for rows resident at a batch's start
+    total = 0
+    for trace, capacity in CASES:
+        sim = rp.LrfuSim(capacity, halflife=50.0, sample=None, window=window, once=once)
+        bounds = np.arange(0, len(trace) + 7, 7).clip(max=len(trace))
+        hits = int(sim.access_batches(trace, np.unique(bounds), as_cache=True).sum())
+        want = brute_lrfu(trace.tolist(), capacity, 50.0, 7, window=window, once=once, as_cache=True)
+        assert abs(hits - want) <= max(2, 0.02 * len(trace)), (trace, capacity)
+        total += hits
+    assert total > 0
+    sim = rp.LrfuSim(4, halflife=50.0)  # a repeat of a missed key in its own batch never hits
+    assert sim.access_batches(np.array([3, 3, 3]), np.array([0, 3]), as_cache=True).tolist() == [0]
+    assert sim.access_batches(np.array([3, 3]), np.array([0, 2]), as_cache=True).tolist() == [2]
 
 
 @pytest.mark.parametrize("batch", [None, 7])

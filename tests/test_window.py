@@ -137,7 +137,7 @@ def test_retuning_the_window_on_and_off() -> None:
 
 def test_the_grid_tries_the_window_with_once_and_the_sim_follows_a_setting() -> None:
     windowed = [s for s in GRID if s.window > 0]
-    assert len(GRID) == 16 and len(windowed) == 4
+    assert len(GRID) == 14 and len(windowed) == 2
     assert all(s.window == WINDOW_SHARE and s.once for s in windowed)
     assert windowed[0].to_dict()["window"] == WINDOW_SHARE
     # item sessions: the window's setting beats the same half-life without it, in the simulator
@@ -145,3 +145,19 @@ def test_the_grid_tries_the_window_with_once_and_the_sim_follows_a_setting() -> 
     plain, windowed_sim = LrfuSim(250, halflife=64 * 250), LrfuSim(250, halflife=64 * 250, window=0.01, once=True)
     bounds = np.arange(0, trace.size + 1, 256)
     assert windowed_sim.access_batches(trace, bounds).sum() > plain.access_batches(trace, bounds).sum()
+
+
+def test_the_tuner_switches_only_to_a_setting_ahead_by_more_than_the_noise() -> None:
+    from embcache.sim.tuner import Tuner
+
+    t = Tuner(800, 1.0)
+    t.scores[:] = 100.0
+    t.scores[3] = 100.5  # half a percent ahead: noise
+    t._choose()
+    assert t.best() == GRID[0]
+    t.scores[5] = 102.0  # two percent ahead
+    t._choose()
+    assert t.best() == GRID[5]
+    t.scores[3] = 102.5  # ahead of the current one by less than 1%: stays
+    t._choose()
+    assert t.best() == GRID[5]
