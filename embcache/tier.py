@@ -213,6 +213,8 @@ class MemoryTier:
         self.freq = self.meta.view(torch.float32)[:, 4]
         self.flags = self.meta.view(torch.int32)[:, 5]
         self.index = make_index(max(capacity, 1), device, slot_keys=self.keys if capacity else None)
+        # a NumbaIndex writes the keys column itself (it reads it to confirm a probe): once is enough
+        self._keys_by_index = isinstance(self.index, NumbaIndex) and self.index.slot_keys is self.keys
         # Batch-sized scratch of the compiled CPU kernels (the fused update, the eviction sample's
         # filter), nothing per row; they run under the table's lock, one call at a time.
         self._table = SlotTable()
@@ -380,10 +382,8 @@ class MemoryTier:
         self._placed()  # first: a failure half-way must not leave remembered slots valid
         slots = self._free.take(n)
         rows = rows.to(self.device)
-        # a NumbaIndex writes the keys column itself (it reads it to confirm a probe): once is enough
-        keys_by_index = isinstance(self.index, NumbaIndex) and self.index.slot_keys is self.keys
         for column, values in zip(self._columns(), rows._fields()[:5], strict=True):
-            if column is not self.keys or not keys_by_index:
+            if column is not self.keys or not self._keys_by_index:
                 column.index_copy_(0, slots, values.to(column.dtype))
         flags = (rows.pins.to(torch.int32) << _PIN_SHIFT) | (rows.dirty.to(torch.int32) * DIRTY) | OCCUPIED
         self.flags.index_copy_(0, slots, flags)

@@ -570,10 +570,10 @@ class NumbaIndex(KeyIndex):
         On one thread the pass beats probe-then-``index_select``: measured through
         ``EmbeddingCache.lookup`` on 453K rows, Zipf keys, batches of 8,192 and 65,536, in two
         A/B runs: 1.09-1.19x at dim 64 and 1.13-1.26x at dim 128. With more threads ``index_select``
-        spreads the copy over all of them and wins (2 threads on this 2-core VM: 0.92x for the pass, run alone or
-        split over the helper threads), so there the base class's probe-then-gather runs. One
-        torch thread per process is common in training: ``torchrun`` sets ``OMP_NUM_THREADS=1``
-        for several ranks per machine.
+        spreads the copy over all of them and wins (2 threads on this 2-core VM: 0.92x for the
+        pass, run alone or split over the helper threads), so there the base class's
+        probe-then-gather runs. One torch thread per process is common in training: ``torchrun``
+        sets ``OMP_NUM_THREADS=1`` for several ranks per machine.
         """
         fits = (freq.dtype == torch.float32 and last.dtype == torch.int64 and rows.dtype == out.dtype == torch.float32
                 and rows.is_contiguous() and out.is_contiguous() and rows.dim() == out.dim() == 2)
