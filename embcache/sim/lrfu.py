@@ -148,6 +148,33 @@ def _window_oldest(pos: np.ndarray, rw: np.ndarray, ring: np.ndarray, state: np.
     return -1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _hit(pos: np.ndarray, e: int, rf: np.ndarray, rl: np.ndarray, inc: float, now: float, once: bool) -> None:
+    """The resident at map entry ``e`` is accessed at ``now`` (counted once per tick with ``once``)."""
+    idx = pos[e, 1]
+    if not (once and rl[idx] == now):
+        rf[idx] += inc
+    rl[idx] = now
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _sketch_add(sketch: np.ndarray, k: int, amount: float) -> float:
+    """Conservative update, as the cache's FrequencySketch: ``k``'s counters rise to their minimum
+    plus ``amount``, no further; returns that new estimate."""
+    mask = sketch.shape[1] - 1
+    est = np.inf
+    for r in range(4):
+        c = _lrfu_cell(k, r, mask)
+        if sketch[r, c] < est:
+            est = sketch[r, c]
+    est += amount
+    for r in range(4):
+        c = _lrfu_cell(k, r, mask)
+        if sketch[r, c] < est:
+            sketch[r, c] = est
+    return est
+
+
 @numba.njit(cache=True, nogil=True)
 def _lrfu_place(k: int, est: float, inc: float, now: float, clock: np.ndarray, rk: np.ndarray, rf: np.ndarray,
                 rl: np.ndarray, rw: np.ndarray, ring: np.ndarray, pos: np.ndarray, state: np.ndarray,
@@ -214,7 +241,6 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
     and the clock then advances by ``batch_ticks`` (what the cache does per lookup).
     """
     size, once = state[0], state[5] != 0
-    mask = sketch.shape[1] - 1
     hits = 0
     now = clock[0]
     inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
@@ -225,23 +251,10 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
             inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
         e = _pos_find(pos, k)
         if e >= 0:
-            idx = pos[e, 1]
             hits += 1
-            if not (once and rl[idx] == now):
-                rf[idx] += inc
-            rl[idx] = now
+            _hit(pos, e, rf, rl, inc, now, once)
         else:
-            # conservative update, as the cache's FrequencySketch: raise the key's counters to min + inc
-            est = np.inf
-            for r in range(4):
-                c = _lrfu_cell(k, r, mask)
-                if sketch[r, c] < est:
-                    est = sketch[r, c]
-            est += inc
-            for r in range(4):
-                c = _lrfu_cell(k, r, mask)
-                if sketch[r, c] < est:
-                    sketch[r, c] = est
+            est = _sketch_add(sketch, k, inc)
             state[0] = size
             _lrfu_place(k, est, inc, now, clock, rk, rf, rl, rw, ring, pos, state, sketch, admission, rng)
             size = state[0]
@@ -276,7 +289,6 @@ def _lrfu_placed(keys: np.ndarray, clock: np.ndarray, rk: np.ndarray, rf: np.nda
     ranks them. The batch shares one tick; the clock then moves on by its length.
     """
     once = state[5] != 0
-    mask = sketch.shape[1] - 1
     n = keys.shape[0]
     now = clock[0]
     inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
@@ -286,11 +298,8 @@ def _lrfu_placed(keys: np.ndarray, clock: np.ndarray, rk: np.ndarray, rf: np.nda
     for i in range(n):
         e = _pos_find(pos, keys[i])
         if e >= 0:
-            idx = pos[e, 1]
             hits += 1
-            if not (once and rl[idx] == now):
-                rf[idx] += inc
-            rl[idx] = now
+            _hit(pos, e, rf, rl, inc, now, once)
         else:
             missed[m] = keys[i]
             m += 1
@@ -305,18 +314,8 @@ def _lrfu_placed(keys: np.ndarray, clock: np.ndarray, rk: np.ndarray, rf: np.nda
             u += 1
         elif not once:
             est[u - 1] += inc
-    for j in range(u):  # conservative update, as the cache's FrequencySketch
-        k = uk[j]
-        low = np.inf
-        for r in range(4):
-            c = _lrfu_cell(k, r, mask)
-            if sketch[r, c] < low:
-                low = sketch[r, c]
-        est[j] += low
-        for r in range(4):
-            c = _lrfu_cell(k, r, mask)
-            if sketch[r, c] < est[j]:
-                sketch[r, c] = est[j]
+    for j in range(u):
+        est[j] = _sketch_add(sketch, uk[j], est[j])
     for j in np.argsort(-est[:u], kind="mergesort"):
         _lrfu_place(uk[j], est[j], inc, now, clock, rk, rf, rl, rw, ring, pos, state, sketch, admission, rng)
     clock[0] += n
