@@ -146,18 +146,3 @@ def test_the_grid_tries_the_window_with_once_and_the_sim_follows_a_setting() -> 
     bounds = np.arange(0, trace.size + 1, 256)
     assert windowed_sim.access_batches(trace, bounds).sum() > plain.access_batches(trace, bounds).sum()
 
-
-def test_the_tuner_switches_only_to_a_setting_ahead_by_more_than_the_noise() -> None:
-    from embcache.sim.tuner import Tuner
-
-    t = Tuner(800, 1.0)
-    t.scores[:] = 100.0
-    t.scores[3] = 100.5  # half a percent ahead: noise
-    t._choose()
-    assert t.best() == GRID[0]
-    t.scores[5] = 102.0  # two percent ahead
-    t._choose()
-    assert t.best() == GRID[5]
-    t.scores[3] = 102.5  # ahead of the current one by less than 1%: stays
-    t._choose()
-    assert t.best() == GRID[5]
