@@ -127,7 +127,7 @@ def test_once_counts_a_prefetched_rows_first_lookup(make_cache: Any) -> None:
     assert float(t.hbm.freq[slot]) > before  # the lookup's access counts (the clock moved on first)
 
 
-def test_retuning_the_window_on_and_off() -> None:
+def test_a_windows_size_is_its_share_of_the_tier() -> None:
     w = Window.of_share(0.01, 1_000, torch.device("cpu"))
     assert w is not None and w.rows == 10 and len(w) == 0
     assert Window.of_share(0.0, 1_000, torch.device("cpu")) is None
