@@ -295,9 +295,13 @@ class TableEngine:
         self.strict = setting.strict
         self.once = setting.once
         if self.setting is None or setting.window != self.setting.window:
-            self.window = Window.of_share(setting.window, self.hbm.capacity, self.hbm.device)  # starts empty
+            self.window = self._new_window(setting)
         self.setting = setting
         self.stats.policy_switches += 1
+
+    def _new_window(self, setting: Setting | None) -> Window | None:
+        """An empty window of ``setting``'s share of HBM (None without a setting or a window)."""
+        return Window.of_share(setting.window if setting else 0.0, self.hbm.capacity, self.hbm.device)
 
     def access_amounts(self, counts: torch.Tensor, inc: float) -> torch.Tensor:
         """What the accesses of unique keys looked up ``counts`` times add to their frequencies
@@ -592,7 +596,7 @@ class TableEngine:
         finally:
             release_cached_memory(self.device)  # the staging of the inserts
         self.hbm, self.ddr = hbm, ddr
-        self.window = Window.of_share(self.setting.window if self.setting else 0.0, hbm.capacity, hbm.device)
+        self.window = self._new_window(self.setting)
         self.reset_mrc()
         placement.forget_leaving(self, leaving.keys, leaving.freq)
 

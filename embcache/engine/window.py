@@ -5,7 +5,7 @@ A key that arrives in a run (a user's session: dozens of accesses within a few b
 counts yet at its first miss, so it stays out and misses again for the whole run. With a window
 (a tuned setting: :class:`embcache.sim.tuner.Setting` ``window``), every row coming up enters it;
 when the window is full, its oldest rows are pushed out and compete with the main region's
-lowest rows (:func:`embcache.engine.placement.admit`): the better of each pair stays. A run's
+lowest rows (:func:`embcache.engine.placement.admit_windowed`): the better of each pair stays. A run's
 row then hits from its second batch on and, if its run went on, has the counts to stay.
 
 The window is a FIFO of (slot, key) pairs; a row is in the window while an entry names its slot

@@ -149,6 +149,25 @@ def _window_oldest(pos: np.ndarray, rw: np.ndarray, ring: np.ndarray, state: np.
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _inc(clock: np.ndarray) -> float:
+    """The increment one access adds at the clock's current tick: ``2 ** ((now - t0) / halflife)``."""
+    return 2.0 ** ((clock[0] - clock[1]) / clock[2])
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _tick(clock: np.ndarray, ticks: float, rf: np.ndarray, size: int, sketch: np.ndarray) -> None:
+    """Move the clock on by ``ticks``; once the increment reaches ``_RENORM`` every frequency
+    (residents and sketch) is divided by it and the clock's origin moves to now."""
+    clock[0] += ticks
+    inc = _inc(clock)
+    if inc >= _RENORM:
+        f = 1.0 / inc
+        rf[:size] *= f
+        sketch *= f
+        clock[1] = clock[0]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _hit(pos: np.ndarray, e: int, rf: np.ndarray, rl: np.ndarray, inc: float, now: float, once: bool) -> None:
     """The resident at map entry ``e`` is accessed at ``now`` (counted once per tick with ``once``)."""
     idx = pos[e, 1]
@@ -243,12 +262,12 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
     size, once = state[0], state[5] != 0
     hits = 0
     now = clock[0]
-    inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
+    inc = _inc(clock)
     for i in range(keys.shape[0]):
         k = keys[i]
         if tick_each:
             now = clock[0]
-            inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
+            inc = _inc(clock)
         e = _pos_find(pos, k)
         if e >= 0:
             hits += 1
@@ -259,19 +278,9 @@ def _lrfu_kernel(keys: np.ndarray, tick_each: bool, batch_ticks: int, clock: np.
             _lrfu_place(k, est, inc, now, clock, rk, rf, rl, rw, ring, pos, state, sketch, admission, rng)
             size = state[0]
         if tick_each:
-            clock[0] += 1.0
-            if 2.0 ** ((clock[0] - clock[1]) / clock[2]) >= _RENORM:
-                f = 1.0 / 2.0 ** ((clock[0] - clock[1]) / clock[2])
-                rf[:size] *= f
-                sketch *= f
-                clock[1] = clock[0]
+            _tick(clock, 1.0, rf, size, sketch)
     if not tick_each:
-        clock[0] += batch_ticks
-        if 2.0 ** ((clock[0] - clock[1]) / clock[2]) >= _RENORM:
-            f = 1.0 / 2.0 ** ((clock[0] - clock[1]) / clock[2])
-            rf[:size] *= f
-            sketch *= f
-            clock[1] = clock[0]
+        _tick(clock, batch_ticks, rf, size, sketch)
     state[0] = size
     return hits
 
@@ -291,7 +300,7 @@ def _lrfu_placed(keys: np.ndarray, clock: np.ndarray, rk: np.ndarray, rf: np.nda
     once = state[5] != 0
     n = keys.shape[0]
     now = clock[0]
-    inc = 2.0 ** ((clock[0] - clock[1]) / clock[2])
+    inc = _inc(clock)
     missed = np.empty(n, dtype=np.int64)
     m = 0
     hits = 0
@@ -318,12 +327,7 @@ def _lrfu_placed(keys: np.ndarray, clock: np.ndarray, rk: np.ndarray, rf: np.nda
         est[j] = _sketch_add(sketch, uk[j], est[j])
     for j in np.argsort(-est[:u], kind="mergesort"):
         _lrfu_place(uk[j], est[j], inc, now, clock, rk, rf, rl, rw, ring, pos, state, sketch, admission, rng)
-    clock[0] += n
-    if 2.0 ** ((clock[0] - clock[1]) / clock[2]) >= _RENORM:
-        f = 1.0 / 2.0 ** ((clock[0] - clock[1]) / clock[2])
-        rf[:state[0]] *= f
-        sketch *= f
-        clock[1] = clock[0]
+    _tick(clock, n, rf, state[0], sketch)
     return hits
 
 
@@ -425,7 +429,7 @@ class LrfuSim:
         if not halflife > 0 or not idle_halving > 0:
             raise ValueError(f"halflife and idle_halving must be > 0, got {halflife}, {idle_halving}")
         c = self._clock
-        inc = 2.0 ** ((c[0] - c[1]) / c[2])
+        inc = _inc(c)
         n = int(self._state[0])
         self._rf[:n] /= inc
         self._sketch /= inc
