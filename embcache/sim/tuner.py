@@ -30,6 +30,16 @@ ranked a 4x half-life without a window level with the window. With it, the cache
 tuner: item sessions at 0.25% 0.7243 (W-TinyLFU per batch 0.7304), user sessions 0.7436
 (0.7540); before, 0.7117 and 0.7422. Asking a new setting to lead by 1% before switching
 (fewer flips) gained 0.1-0.2 points there but cost a loop over 8% of the keys 4.5 points.
+Tried too and dropped (the cache through the tuner, 1M keys, 2M accesses):
+
+- holding the first setting until the scores had seen two windows: a loop over 8% of the keys
+  fell from 0.6243 to 0.5807 (strict admission came late, after a churned population had
+  formed, and froze it);
+- starting from the loop's best fixed setting (64x, no idle discount, strict) instead of
+  ``GRID[0]``: 0.6107 there, and no gain elsewhere (the first decision comes after a few
+  batches whatever the start);
+- half-lives of 1x the rows: held fixed, the switching workload at 16% reaches 0.7633 (LRU per
+  batch 0.7639, the 4x half-life 0.7514), but tuned they led only in its third quarter (0.7430).
 
 The 12 settings before the window, measured with ``bench/bench_policy.py --quick`` (100k keys,
 250k accesses, seven workloads at 0.25%, 1% and 4%; ``bench/results/policy-quick.md``):
@@ -76,8 +86,10 @@ WINDOW_SHARE = 0.01
 GRID: tuple[Setting, ...] = (
     tuple(Setting(m, ih, st) for m in (4.0, 16.0, 64.0) for ih in (2.5, math.inf) for st in (False, True))
     + tuple(Setting(64.0, ih, False, WINDOW_SHARE, True) for ih in (2.5, math.inf)))
-# The score window: hits decay by half every this many sampled accesses per row of a miniature.
+# The score window: hits decay by half every this many sampled accesses per row of a miniature,
+# and never fewer than _MIN_SCORE_WINDOW (see Tuner).
 _WINDOW_ROWS = 4.0
+_MIN_SCORE_WINDOW = 4096
 _MIN_MINI_ROWS = 256
 
 
@@ -141,7 +153,13 @@ class Tuner:
         self.minis = [LrfuSim(self.rows, halflife=s.halflife_rows * self.rows, idle_halving=s.idle_halving,
                               strict=s.strict, window=s.window, once=s.once) for s in grid]
         self.scores = np.zeros(len(grid))
-        self._window = _WINDOW_ROWS * self.rows
+        # A score's noise shrinks with the sampled accesses it counts, not with the miniatures'
+        # rows: a small tier's miniatures (a few hundred rows at a sample of 1/16) over 4x their
+        # rows counted so few hits that the choice flipped every few dozen batches (52 switches
+        # on item sessions at 0.25%, between the window and a 4x half-life); a floor of 4,096
+        # keeps 10 switches and gains a point there (0.7236 to 0.7338) and 0.4 on user sessions
+        # (0.7435 to 0.7470). A large tier's window (4x its 1,024-row miniatures) is unchanged.
+        self._window = max(_WINDOW_ROWS * self.rows, float(_MIN_SCORE_WINDOW))
         self.observed = 0
         self._best = grid[0]  # chosen where the scores change, so that best() costs a lookup nothing
 
