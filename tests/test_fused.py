@@ -67,6 +67,30 @@ def test_fused_update_equals_apply_update(optimizer: str, weight_decay: float, d
     torch.testing.assert_close(state[uniq2], want_s2, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam", "rowwise_adagrad_momentum"])
+def test_fused_update_divides_like_torch_when_eps_is_zero(optimizer: str) -> None:
+    # eps=0 is a legal setting; a zero gradient on fresh state then divides 0 by 0. torch gives
+    # NaN (so does the torch path on a GPU). The kernel once raised ZeroDivisionError (numba's
+    # Python error model) halfway through the batch, after earlier rows had been written: a
+    # refusal that had changed rows. It now does IEEE arithmetic, as torch does, for every row.
+    dim, capacity = 16, 8
+    weights = torch.randn(capacity, dim, generator=torch.Generator().manual_seed(3))
+    state = torch.zeros(capacity, state_width(optimizer, dim))
+    flags = torch.zeros(capacity, dtype=torch.int32)
+    params = OptimizerParams(lr=0.1, eps=0.0, beta1=0.9, beta2=0.999)
+    slots = torch.tensor([0, 1, 2, 3])
+    grads = torch.ones(4, dim)
+    grads[1] = 0.0  # row 1: 0 / 0 after row 0 was written
+    grads[3, : dim // 2] = 0.0  # row 3: some elements 0 / 0 (per-element optimizers)
+    uniq, want_w, want_s = reference(optimizer, params, weights, state, slots, grads, torch_update)
+
+    assert fused_update(optimizer, params, weights, state, flags, DIRTY, slots, grads, FusedScratch()) == 4
+
+    assert weights[1].isnan().all()  # what torch gives, not an exception
+    torch.testing.assert_close(weights[uniq], want_w, rtol=1e-6, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(state[uniq], want_s, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
 def test_fused_update_refuses_rows_it_cannot_update() -> None:
     assert not fused_available(torch.zeros(2, 2, dtype=torch.float16))
     params = OptimizerParams(lr=0.1, eps=1e-8, beta1=0.9, beta2=0.999)
