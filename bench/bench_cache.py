@@ -42,6 +42,11 @@ Cases, each measured side by side in this one run:
    the target is against the memory bound instead: a step moves at least four row-sized streams
    (the lookup's read and output, the update's gradient read and row write) where the
    ``index_select`` ceiling of case 1 moves two, so the pair's rows/s >= 0.5x the ceiling's.
+   A second reference measures that bound on this machine instead of assuming it: per batch,
+   the same ``index_select``, then a bare read-modify-write of the same rows (each gradient row
+   read once, ``row -= lr * gradient`` on its row in batch order, prefetched ahead as the cache's
+   kernel is: no deduplication, no optimizer state, no flags), alternating with the cache's
+   repeats. No target: it says how far the pair is from the memory traffic any step must make.
 3. **Tiered lookup.** The store is prefilled with every distinct id of a longer trace (written
    with ``assign`` through a cache with no memory tiers, then closed, so nothing is in memory);
    HBM holds 1% and DDR 10% of those ids (of the trace's distinct ids, i.e. of the table
@@ -369,6 +374,34 @@ class FbgemmServer:
 
 
 # ---------------------------------------------------------------------------------- all hot
+_BARE: dict[str, Any] = {}
+
+
+def bare_step(weights: np.ndarray, idx: np.ndarray, grads: np.ndarray, lr: float) -> None:
+    """``weights[idx[i]] -= lr * grads[i]`` for each i in order: the memory traffic of a step's
+    update and nothing more (numba, software prefetch 8 rows ahead as in ``embcache.fused``)."""
+    if "kernel" not in _BARE:
+        import numba
+
+        from embcache.fused import _prefetch_intrinsic
+
+        prefetch = _prefetch_intrinsic()
+
+        @numba.njit(nogil=True, error_model="numpy")  # type: ignore[misc]
+        def kernel(w: Any, ix: Any, g: Any, lr32: Any) -> None:  # pragma: no cover - compiled
+            n, d = g.shape
+            for i in range(n):
+                if i + 8 < n:
+                    for k in range(0, d, 16):
+                        prefetch(w, ix[i + 8], k)
+                r = ix[i]
+                for j in range(d):
+                    w[r, j] = w[r, j] - lr32 * g[i, j]
+
+        _BARE["kernel"] = kernel
+    _BARE["kernel"](weights, idx, grads, np.float32(lr))
+
+
 def run_all_hot(batch: int, dim: int, ids: np.ndarray, args: argparse.Namespace, work_dir: str,
                 fb_py: str | None, fb_reason: str | None) -> dict[str, Any]:
     """All rows in HBM: lookup vs index_select, lookup+update vs FBGEMM, repeats interleaved."""
@@ -425,6 +458,14 @@ def run_all_hot(batch: int, dim: int, ids: np.ndarray, args: argparse.Namespace,
                 cache.lookup(TABLE, k, out=out)
                 cache.apply_gradients(TABLE, k, grads)
 
+        weights_np, grads_np = weights.numpy(), grads.numpy()
+        dense_np = [d.numpy() for d in dense_t]
+
+        def bound() -> None:  # the lookup's gather, then the update's bare read-modify-write
+            for ix, ix_np in zip(dense_t[:n_upd], dense_np[:n_upd], strict=True):
+                torch.index_select(weights, 0, ix, out=out)
+                bare_step(weights_np, ix_np, grads_np, LR)
+
         def remote(command: str) -> Callable[[], float]:
             assert fb is not None
             return lambda: fb.seconds(command)
@@ -432,7 +473,7 @@ def run_all_hot(batch: int, dim: int, ids: np.ndarray, args: argparse.Namespace,
         modes = ("sum", "none")
         look_fns: dict[str, Callable[[], object]] = {"cache": cache_lookup, "ceiling": ceiling_over(weights),
                                                      "ceiling_huge_pages": ceiling_over(weights_huge)}
-        upd_fns: dict[str, Callable[[], object]] = {"cache": cache_update}
+        upd_fns: dict[str, Callable[[], object]] = {"cache": cache_update, "bound": bound}
         if fb is not None:
             look_fns |= {f"fbgemm_{m}": remote(f"fwd {m}") for m in modes}
             upd_fns |= {f"fbgemm_{m}": remote(f"fwd_bwd {m}") for m in modes}
@@ -457,7 +498,9 @@ def run_all_hot(batch: int, dim: int, ids: np.ndarray, args: argparse.Namespace,
         d = delta(s2, s1)
         assert d["hbm_hits"] == d["lookups"] and d["ssd_reads"] == 0, f"not all hot during updates: {d}"
         result["lookup_update"] = rate_summary(n_upd * batch, upd["cache"])
-        print(f"  lookup+update {fmt_rate(result['lookup_update']['rows_per_s'])} rows/s", flush=True)
+        result["update_bound"] = rate_summary(n_upd * batch, upd["bound"])
+        print(f"  lookup+update {fmt_rate(result['lookup_update']['rows_per_s'])} rows/s; index_select + bare "
+              f"read-modify-write {fmt_rate(result['update_bound']['rows_per_s'])} rows/s", flush=True)
         if fb is not None:
             fwd = {m: rate_summary(rows, times[f"fbgemm_{m}"]) for m in modes}
             fwd_bwd = {m: rate_summary(n_upd * batch, upd[f"fbgemm_{m}"]) for m in modes}
@@ -961,6 +1004,10 @@ def summary_rows(hot: list[dict[str, Any]], tiered: list[dict[str, Any]],
         name = f"FBGEMM CPU TBE fwd+bwd ({fb['reference_mode'].upper()})" if fb.get("available") else "FBGEMM CPU TBE"
         add(f"all-hot lookup+update {tag}", r["lookup_update"]["rows_per_s"], "index_select (ceiling)",
             r["ceiling"]["rows_per_s"], TARGETS["lookup_update"])
+        if "update_bound" in r:
+            add(f"all-hot lookup+update {tag}", r["lookup_update"]["rows_per_s"],
+                "index_select + bare read-modify-write (a step's memory traffic)",
+                r["update_bound"]["rows_per_s"], None)
         add(f"all-hot lookup+update {tag}", r["lookup_update"]["rows_per_s"], name,
             fb.get("forward_backward_rows_per_s"), None)
     for r in tiered:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import __main__ as runner
-from bench import bench_dlrm, bench_gpu, bench_index, bench_policy, bench_scale, bench_serving, profile_gpu
+from bench import bench_cache, bench_dlrm, bench_gpu, bench_index, bench_policy, bench_scale, bench_serving, profile_gpu
 from bench._common import format_ratio, machine_info
 from bench.readme import target_table
 
@@ -253,6 +253,19 @@ def test_bench_dlrm_refuses_tables_under_4x_memory() -> None:
     bench_dlrm.check_sizes("torch only", None, "test")
     with pytest.raises(bench_dlrm.TooSmallError, match=r"only 3\.12x"):
         bench_dlrm.check_sizes("kaggle", 3.1168, "test")
+
+
+def test_bench_cache_bare_step_is_the_update_of_every_row_in_batch_order() -> None:
+    # the reference a lookup + update is measured against: its traffic, and the arithmetic of a scatter
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.randn(50, 16, generator=gen)
+    idx = torch.randint(0, 40, (300,), generator=gen)  # duplicates, and rows past 40 untouched
+    grads = torch.randn(300, 16, generator=gen)
+    want = weights.clone()
+    for i in range(300):
+        want[idx[i]] -= torch.tensor(0.01, dtype=torch.float32) * grads[i]
+    bench_cache.bare_step(weights.numpy(), idx.numpy(), grads.numpy(), 0.01)
+    torch.testing.assert_close(weights, want, rtol=0, atol=0)
 
 
 def test_bench_policy_summary_has_every_workload_at_one_percent() -> None:
