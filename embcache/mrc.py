@@ -180,6 +180,9 @@ class MissRatioEstimator:
             try:
                 self._process(batches)
             finally:
+                # let go of the batches before waiting again: a GPU batch holds a pinned host
+                # buffer, which a lingering reference would keep out of torch's pinned cache
+                del batches
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
@@ -222,12 +225,17 @@ class MissRatioEstimator:
                 self._draining -= 1
 
     def close(self) -> None:
-        """Stop the background thread (pending batches are dropped)."""
+        """Stop the background thread and wait for it (pending batches are dropped; a batch being
+        sampled is finished first). Once closed, the estimator holds no batch: a GPU batch's
+        pinned host buffer is back in torch's pinned cache."""
         with self._cond:
             self._closed = True
             self._pending.clear()
             self._pending_keys = 0
             self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def hit_ratios(self) -> dict[str, dict[str, float]]:
         """``{"hbm": {"0.25": r, ...}, "ddr": {...}}``; NaN before anything was sampled."""

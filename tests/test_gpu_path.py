@@ -359,3 +359,25 @@ def test_cuda_update_of_duplicate_keys_matches_the_cpu_sum(fakecuda: FakeCuda, m
     want, _ = torch_update(cfg.optimizer, params, before.cuda(), state.cuda(), gsum.cuda())
     cache.apply_gradients("t", keys.cuda(), grads.cuda())
     assert torch.equal(cache.lookup("t", ukeys).cpu(), want.cpu())
+
+
+def test_a_closed_cache_holds_no_pinned_memory_of_its_sampler(fakecuda: FakeCuda, make_cache: Any) -> None:
+    # The miss-ratio sampler copies device keys to pinned host memory and reads them on its own
+    # thread. Before: close() only told that thread to stop, and the thread kept its last
+    # batches (pinned) until it next ran; on an H100 a closed cache still held a 512-byte block
+    # (tests/test_gpu_real.py). Now close() waits for the thread, which lets go of each batch
+    # once sampled.
+    cache: EmbeddingCache = make_cache(hbm_rows=16, ddr_rows=100, device="cuda")
+    t = cache._tables["t"]
+    assert t.mrc is not None
+    for start in range(0, 300, 50):
+        cache.lookup("t", torch.arange(start, start + 50, device="cuda"))
+    t.mrc.drain()
+    if fakecuda.stand_in:
+        # sampled batches are let go of while the cache is open. On an H100 this read 3,072 bytes
+        # (six 512-byte blocks, one per batch) inside the test worker, and 0 for the same calls in
+        # a plain process: not understood yet (docs/gpu.md), so only the stand-in asserts it.
+        assert fakecuda.pinned_bytes() == 0
+    cache.lookup("t", torch.arange(0, 50, device="cuda"))
+    cache.close()
+    assert fakecuda.pinned_bytes() == 0  # and nothing is left once it is closed
