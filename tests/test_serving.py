@@ -161,8 +161,8 @@ def test_serves_a_full_version_exactly_and_refuses_every_write(tmp_path: Path,
         assert not np.isin(client.resident_keys("user", tier).numpy(), unknown.numpy()).any()
     assert after["serving"]["version"] == 1 and after["serving"]["applied_versions"] == 1
     # weights only: a row costs its weights in the store and no optimizer state in memory
-    for tier in ("hbm", "ddr"):
-        row = resident_row_bytes(4, torch.float32, 0, "cpu")
+    for tier, device in (("hbm", info["device"]), ("ddr", "cpu")):  # HBM is on the GPU where there is one
+        row = resident_row_bytes(4, torch.float32, 0, device)
         assert after[tier]["capacity_bytes"] == after[tier]["capacity_rows"] * row
 
     # every write call, raw: FAILED_PRECONDITION, ReadOnlyError, naming the version served
