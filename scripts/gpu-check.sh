@@ -74,7 +74,10 @@ gpu_files=(tests/test_gpu_real.py tests/test_triton_probe.py tests/test_gpu_path
 run_tests() {  # NAME SECONDS PYTEST-ARGS...
     local name=$1 limit=$2 t0=$SECONDS
     shift 2
-    OMP_NUM_THREADS=2 NUMBA_NUM_THREADS=2 timeout -s INT -k 20 "$limit" "$py" -m pytest -o addopts= \
+    # each failure's traceback goes to failures-NAME.log as it happens (tests/conftest.py): an interrupt at
+    # the limit can break xdist's summary (on an H100 two failures came back without one)
+    EMBCACHE_FAILURE_LOG="$out/failures-$name.log" OMP_NUM_THREADS=2 NUMBA_NUM_THREADS=2 \
+        timeout -s INT -k 20 "$limit" "$py" -m pytest -o addopts= \
         -p no:cacheprovider -n 14 --dist loadfile -v -rfE --durations=20 -o faulthandler_timeout=100 \
         "${per_test[@]}" --junitxml="$out/junit-$name.xml" "$@" >"$out/pytest-$name.log" 2>&1
     echo "pytest $name rc=$? in $((SECONDS - t0)) s" >>"$out/pytest-$name.log"

@@ -86,3 +86,20 @@ def make_cache(tmp_path: Any, store: str) -> Iterator[Callable[..., EmbeddingCac
     yield factory
     for c in made:
         c.close()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``EMBCACHE_FAILURE_LOG`` set, append each failure's report to that file as it happens.
+
+    A run cut at a time limit (``scripts/gpu-check.sh`` on a lent GPU) can lose pytest's summary:
+    on an H100 an interrupt broke xdist's controller and two failures came back without a
+    traceback. Under xdist this runs in the controller, which gets every worker's reports.
+    """
+    path = os.environ.get("EMBCACHE_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: its controller writes
+        return
+    with open(path, "a") as f:
+        f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        for name, text in report.sections:
+            if name.startswith("Captured"):
+                f.write(f"---- {name}\n{text[-4000:]}\n")
