@@ -459,10 +459,9 @@ def run_all_hot(batch: int, dim: int, ids: np.ndarray, args: argparse.Namespace,
                 cache.apply_gradients(TABLE, k, grads)
 
         weights_np, grads_np = weights.numpy(), grads.numpy()
-        dense_np = [d.numpy() for d in dense_t]
 
         def bound() -> None:  # the lookup's gather, then the update's bare read-modify-write
-            for ix, ix_np in zip(dense_t[:n_upd], dense_np[:n_upd], strict=True):
+            for ix, ix_np in zip(dense_t[:n_upd], dense[:n_upd], strict=True):
                 torch.index_select(weights, 0, ix, out=out)
                 bare_step(weights_np, ix_np, grads_np, LR)
 
