@@ -375,10 +375,16 @@ def test_sigusr1_prints_every_threads_stack_and_the_server_keeps_serving(served:
     assert server.proc is not None
     before = len(server.log())
     server.proc.send_signal(signal.SIGUSR1)
-    # the main thread comes last in the dump, waiting for a signal in main()
+    # the main thread comes first in the dump, waiting for a signal in main(); every thread is named
     _wait_for(lambda: "in main\n" in server.log()[before:], timeout=30)
     dump = server.log()[before:]
     assert dump.count("Thread 0x") >= 3 and "embcache/server/main.py" in dump, dump
+    first = dump.index("Thread 0x")
+    assert dump[first:].split("\n", 1)[0].endswith("(MainThread):"), dump
+    assert _lookup(stub, "b", [1, 2, 3]).shape == (3, 8)
+    before = len(server.log())
+    server.proc.send_signal(signal.SIGUSR2)  # faulthandler's dump, from C
+    _wait_for(lambda: "Current thread 0x" in server.log()[before:] or "Thread 0x" in server.log()[before:], timeout=30)
     assert _lookup(stub, "b", [1, 2, 3]).shape == (3, 8)
 
 

@@ -98,8 +98,10 @@ a broken chain is logged and counted, and the last good version served on. The v
 in ListTables (ServerInfo.serving_version, Client.server_info()), in Stats (each table's
 "serving") and in the metrics (embcache_serving_version, ..._version_age_seconds, ...).
 
-Diagnostics: ``kill -USR1 PID`` prints every thread's stack to stderr; a shutdown still running
-30 s after its drain and grace prints them too (every 30 s until it ends).
+Diagnostics: ``kill -USR1 PID`` prints every thread's stack to stderr, named, the main thread first
+(while shutting down: faulthandler's dump, at most 100 threads); ``kill -USR2 PID`` prints
+faulthandler's dump at any time, for an interpreter too stuck to answer USR1. A shutdown still
+running 30 s after its drain and grace prints the stacks too (every 30 s until it ends).
 
 Config file (TOML, or JSON when the name ends in .json); EMBCACHE_<SETTING> environment variables
 (EMBCACHE_METRICS_PORT, EMBCACHE_HBM_BYTES, EMBCACHE_PATH, ...: any key below, [cache] fields by
@@ -160,6 +162,7 @@ from .settings import (
     read_settings_file,
     typed_value,
 )
+from .stacks import dump_stacks
 
 __all__ = ["DIE_WITH_PARENT_ENV", "RunningServer", "ServerSettings", "build_parser", "load_settings", "main",
            "parse_size", "start_server"]
@@ -324,8 +327,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in signals:  # installed before serving: a signal during start-up still stops cleanly
             signal.signal(sig, lambda signum, _frame: stop.append(signum))
         _die_with_parent()
-        if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack to stderr
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # `kill -USR1 PID`: every thread's stack, named, printed by the main loop below (the handler
+        # only flags it, as above); `kill -USR2 PID`: faulthandler's dump from C, for an interpreter
+        # too stuck to run the main loop (at most 100 threads, no names)
+        dumps: list[int] = []
+        if hasattr(signal, "SIGUSR1"):
+            signal.signal(signal.SIGUSR1, lambda signum, _frame: dumps.append(signum))
+            faulthandler.register(signal.SIGUSR2, all_threads=True)
         running = start_server(s)
     except (ConfigError, ValueError, RuntimeError) as exc:
         print(f"embcache-server: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -346,6 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # when something else woke it (seen in tests: a server still up 60 s after SIGTERM).
     while not stop:
         time.sleep(_SIGNAL_POLL_SECONDS)
+        if dumps:
+            dumps.clear()
+            dump_stacks()
+    if hasattr(signal, "SIGUSR1"):  # the main thread is busy shutting down: USR1 answered from C now
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     t0 = time.perf_counter()
     print("embcache-server: shutting down (NOT_SERVING, draining calls, flushing)", flush=True)
     running.shutdown()
