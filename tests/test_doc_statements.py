@@ -780,7 +780,8 @@ def _env_read_by_code() -> set[str]:
 
     names = {f"EMBCACHE_{f.name.upper()}" for cls in (ServerSettings, CacheConfig) for f in dataclasses.fields(cls)
              if f.name not in ("cache", "tables") and not str(f.type).startswith("list")}
-    for path in itertools.chain((ROOT / "embcache").rglob("*.py"), (ROOT / "bench").rglob("*.py")):
+    for path in itertools.chain((ROOT / "embcache").rglob("*.py"), (ROOT / "bench").rglob("*.py"),
+                                [ROOT / "tests" / "conftest.py"]):  # the test harness's own variables
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
                     r"EMBCACHE_[A-Z0-9_]+", node.value):
