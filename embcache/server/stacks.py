@@ -3,7 +3,8 @@
 ``faulthandler`` stops at 100 threads, and a server runs more on a large machine (4 gRPC workers
 a core, half as many stream workers, plus its own): on a 16-core H100 node its dump on SIGUSR1 was
 cut before the main thread. This module writes all of them, with their names, main thread first.
-It runs in Python, so the server calls it from its main loop, which a signal handler only flags;
+The shutdown's dump of gRPC calls that outlived their grace period uses it too. It runs in Python,
+so for USR1 the server calls it from its main loop, which the signal handler only flags;
 a server whose interpreter is stuck still answers ``kill -USR2`` from faulthandler's C handler
 (at most 100 threads, no names).
 """
