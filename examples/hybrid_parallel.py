@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -225,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             s.terminate()
         for s in servers:
             s.stop()
+        if workdir:  # rank 0's shard stores and logs: a run leaves nothing behind
+            shutil.rmtree(workdir, ignore_errors=True)
         dist.destroy_process_group()
 
 

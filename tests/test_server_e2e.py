@@ -805,19 +805,22 @@ def test_graceful_shutdown_under_load_loses_no_acknowledged_update(tmp_path: Pat
 
 # ---------------------------------------------------------------------- the hybrid-parallel example
 @pytest.mark.slow
-def test_hybrid_parallel_example_with_two_ranks_and_two_shards() -> None:
-    """examples/hybrid_parallel.py under torchrun: 2 ranks (gloo), 2 server shards on loopback."""
+def test_hybrid_parallel_example_with_two_ranks_and_two_shards(tmp_path: Path) -> None:
+    """examples/hybrid_parallel.py under torchrun: 2 ranks (gloo), 2 server shards on loopback; it
+    leaves none of its shard stores and logs behind (its temporary directories go to TMPDIR)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("torchrun not found next to the interpreter")
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "examples/hybrid_parallel.py",
                            "--passes", "2", "--steps", "6", "--batch", "128", "--features", "3"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+                          cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "dense replicas identical: True" in out
     assert re.search(r"\[rank 1\] pass 1: loss", out) and re.search(r"\[shard 1 127\.0\.0\.1:\d+\] lookups", out)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("embcache-")] == []
 
 
 _REPLICA_CHECK = """

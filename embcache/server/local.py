@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,7 +68,9 @@ class LocalServer:
         start_timeout: seconds :meth:`start` waits for SERVING (default 60).
         env: extra environment variables.
         wait_health: check health before :meth:`start` returns (off for servers that need TLS to talk to).
-        workdir: where the port file and log go (default: a new temporary directory).
+        workdir: where the port file and log go (default: a new temporary directory, removed by
+            :meth:`close` and by leaving a ``with`` block without an exception; a block left by an
+            exception keeps it, for the server's log at :attr:`log_path`).
     """
 
     def __init__(self, path: str | os.PathLike[str], tables: Sequence[str] = (), args: Sequence[str] = (),
@@ -77,6 +80,7 @@ class LocalServer:
         self.tables, self.args = list(tables), list(args)  # public: change them between restarts
         self._metrics, self._timeout, self._env = metrics, start_timeout, dict(env or {})
         self._wait_health = wait_health
+        self._own_dir = workdir is None  # made here: close() removes it
         self._dir = os.fspath(workdir) if workdir is not None else tempfile.mkdtemp(prefix="embcache-server-")
         os.makedirs(self._dir, exist_ok=True)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -122,6 +126,7 @@ class LocalServer:
 
     def launch(self) -> LocalServer:
         """Start the process without waiting (start several, then :meth:`wait_ready` each)."""
+        os.makedirs(self._dir, exist_ok=True)  # (again after close(): a restart)
         port_file = os.path.join(self._dir, "port.json")
         if os.path.exists(port_file):
             os.unlink(port_file)
@@ -208,8 +213,21 @@ class LocalServer:
     def __enter__(self) -> LocalServer:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
+        """Stop the server (:meth:`stop`, killed if that fails) and remove the work directory made
+        for it (a ``workdir`` given stays; the store at ``path`` always stays)."""
         try:
+            self.stop()
+        finally:
+            self.kill()
+            if self._own_dir:
+                shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # keep the work directory: its log tells what went wrong
             self.stop()
         finally:
             self.kill()
