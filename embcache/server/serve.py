@@ -86,9 +86,11 @@ class RunningServer:
             self.servicer.begin_shutdown()
             if self.drain_seconds > 0:
                 time.sleep(self.drain_seconds)
-            # gRPC cancels what still runs after the grace period, but its "stopped" event waits for
-            # every handler thread, and one can be stuck outside our code: bound that wait too. The
-            # flush below still takes the table locks, so a handler inside the cache finishes first.
+            # gRPC cancels what still runs after the grace period and reports the stop once its core
+            # has cancelled the calls, whether or not their handler threads have returned (a handler
+            # waiting for a table lock is still waiting): the flush below takes the table locks, so
+            # a handler inside the cache finishes first. The wait is bounded for a gRPC whose own
+            # stop never completes (tests/test_server_stacks.py).
             if not self.server.stop(self.grace_seconds).wait(self.grace_seconds + _STOP_SLACK_SECONDS):
                 log.warning("shutdown: gRPC calls still not finished %.0f s after the grace period; flushing "
                             "anyway (their stacks follow on stderr)", _STOP_SLACK_SECONDS)
