@@ -77,8 +77,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import sketch_kernels
 from ._bits import mix64
 from .config import ScoreFn
+from .hostmem import host_zeros
 
 __all__ = ["DEFAULT_HALFLIFE_ROWS", "DEFAULT_IDLE_HALVING", "Clock", "FrequencySketch", "Policy", "default_halflife",
            "idle_discount_rate", "make_policy"]
@@ -228,6 +230,10 @@ class FrequencySketch:
     and half the bytes buy twice the width, which decides the error (measured with the exact
     simulators of ``embcache.sim``: at 1% capacity on Zipf 0.8, conservative update plus 8 columns
     per row in memory took the hit ratio from 0.303 to 0.324).
+
+    On the host with numba, :meth:`add_and_estimate`, :meth:`estimate` and :meth:`raise_to` run
+    as compiled kernels (:mod:`embcache.sketch_kernels`: the same counters, bit for bit, about 5x
+    faster where a tiered lookup stages its rows); elsewhere as torch operations.
     """
 
     _SEEDS = (0x1F123BB5, 0x5A5A5A5A, 0x2545F491, 0x6C8E9CF5)
@@ -238,9 +244,19 @@ class FrequencySketch:
         self.width = width
         self.depth = depth
         self.device = device or torch.device("cpu")
-        self.counts = torch.zeros(depth * width, dtype=torch.float32, device=self.device)
+        # on the host on huge pages: each key's counters are read at random in up to 128 MiB
+        self.counts = (host_zeros((depth * width,), torch.float32) if self.device.type == "cpu"
+                       else torch.zeros(depth * width, dtype=torch.float32, device=self.device))
         self._offsets = (torch.arange(depth, device=self.device) * width).unsqueeze(1)
         self._seeds = torch.tensor(self._SEEDS[:depth], dtype=torch.int64, device=self.device).unsqueeze(1)
+        self._salts = np.array([s * 0x9E3779B9 for s in self._SEEDS[:depth]], dtype=np.int64)  # what _cells xors
+
+    def _compiled(self) -> bool:
+        # the compiled kernels (embcache/sketch_kernels.py): counters on the host, numba present
+        return self.device.type == "cpu" and sketch_kernels.available()
+
+    def _keys(self, keys: torch.Tensor) -> np.ndarray:
+        return keys.to("cpu", torch.int64).contiguous().numpy()
 
     def _cells(self, keys: torch.Tensor) -> torch.Tensor:
         """Flat counter positions [depth, n] of ``keys``."""
@@ -250,10 +266,14 @@ class FrequencySketch:
 
     def add(self, keys: torch.Tensor, amounts: torch.Tensor) -> None:
         """Add ``amounts`` (float64 [n]) to the estimates of ``keys`` (int64 [n], unique)."""
-        self._add_at(self._cells(keys), amounts)
+        self.add_and_estimate(keys, amounts)
 
     def add_and_estimate(self, keys: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
         """:meth:`add`, then the new estimates (float64 [n]) of the same (unique) keys, hashing them once."""
+        if self._compiled():
+            return torch.from_numpy(sketch_kernels.add_and_estimate(
+                self.counts.numpy(), self._keys(keys), amounts.to("cpu", torch.float64).contiguous().numpy(),
+                self._salts, self.width))
         return self._add_at(self._cells(keys), amounts)
 
     def _add_at(self, cells: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
@@ -270,10 +290,17 @@ class FrequencySketch:
 
     def estimate(self, keys: torch.Tensor) -> torch.Tensor:
         """Upper-bound estimates (float64 [n]) of the aged frequency of ``keys``."""
+        if self._compiled():
+            return torch.from_numpy(sketch_kernels.estimate(self.counts.numpy(), self._keys(keys), self._salts,
+                                                            self.width))
         return self._min_at(self._cells(keys))
 
     def raise_to(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Make every counter of ``keys`` at least ``values`` (rows leaving memory keep their score)."""
+        if self._compiled():
+            sketch_kernels.raise_to(self.counts.numpy(), self._keys(keys),
+                                    values.to("cpu", torch.float32).contiguous().numpy(), self._salts, self.width)
+            return
         cells = self._cells(keys).reshape(-1)
         vals = values.to(self.device, torch.float32).repeat(self.depth)
         self.counts.scatter_reduce_(0, cells, vals, reduce="amax")

@@ -33,6 +33,37 @@ def test_add_and_estimate_equals_add_then_estimate() -> None:
     torch.testing.assert_close(b.add_and_estimate(keys, amounts), a.estimate(keys), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("width", [64, 1 << 16])
+def test_the_compiled_sketch_gives_the_torch_sketchs_counters_bit_for_bit(width: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # embcache/sketch_kernels.py (the CPU's, with numba) against the torch operations (the
+    # sketch without numba): the same calls, every counter and estimate equal. A narrow sketch
+    # makes keys of one call share counters (the largest raise wins); keys span all 64 bits.
+    from embcache import sketch_kernels
+
+    if not sketch_kernels.available():
+        pytest.skip("numba is not installed")
+    compiled, plain = FrequencySketch(width), FrequencySketch(width)
+    assert compiled._compiled()
+    monkeypatch.setattr(plain, "_compiled", lambda: False)
+    rng = np.random.default_rng(3)
+    for step in range(60):
+        n = int(rng.integers(0, 2000))
+        if step % 2:
+            keys = torch.from_numpy(rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64))
+        else:  # a hot set seen again and again
+            keys = torch.from_numpy(rng.choice(5000, size=min(n, 5000), replace=False).astype(np.int64))
+        amounts = torch.from_numpy(rng.random(keys.numel()) * 2.0 ** int(rng.integers(-20, 40)))
+        got, want = compiled.add_and_estimate(keys, amounts), plain.add_and_estimate(keys, amounts)
+        assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+        assert torch.equal(compiled.estimate(keys), plain.estimate(keys))
+        leaving = torch.from_numpy(rng.random(keys.numel()) * 2.0 ** int(rng.integers(-20, 40)))
+        compiled.raise_to(keys, leaving)
+        plain.raise_to(keys, leaving)
+        assert torch.equal(compiled.counts, plain.counts), step
+    assert float(compiled.counts.max()) > 0
+
+
 def test_conservative_update_bounds_each_estimate_between_truth_and_plain_count_min() -> None:
     # A narrow sketch, so keys share counters: plain count-min adds every amount to every counter
     # of a key; the conservative update raises a key's counters only to its own new estimate.
