@@ -19,6 +19,7 @@ compares the two on the same calls.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -143,13 +144,26 @@ def _build() -> dict[str, Any]:
 
 
 def available() -> bool:
-    """Whether the kernels can run (numba imports and compiles them)."""
+    """Whether the kernels can run: numba imports and compiles them (or loads them from its disk
+    cache), tried once, here rather than in the middle of a lookup. Where numba is missing, or
+    fails to compile them (a warning says why), the sketch uses its torch operations."""
     if "ok" not in _KERNELS:
+        _KERNELS["ok"] = False
         try:
-            _KERNELS.update(_build())
-            _KERNELS["ok"] = True
+            kernels = _build()
+            counts, keys, salts = np.zeros(8, np.float32), np.arange(3, dtype=np.int64), np.ones(2, np.int64)
+            cells = _scratch(3, 2)
+            kernels["add"](counts, keys, np.ones(3), salts, 4, cells, np.empty(3, np.float32), np.empty(3))
+            kernels["estimate"](counts, keys, salts, 4, cells, np.empty(3))
+            kernels["raise"](counts, keys, salts, 4, cells, np.ones(3, np.float32))
         except ImportError:
-            _KERNELS["ok"] = False
+            return False
+        except Exception as exc:  # a numba or LLVM that cannot build them: the torch operations
+            warnings.warn(f"embcache: the frequency sketch's compiled kernels are unavailable ({exc!r}); "
+                          "using torch operations", stacklevel=2)
+            return False
+        _KERNELS.update(kernels)
+        _KERNELS["ok"] = True
     return bool(_KERNELS["ok"])
 
 

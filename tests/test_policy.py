@@ -224,3 +224,19 @@ def test_sketch_bytes_are_npy_and_a_close_saves_the_same_sketch_in_chunks(tmp_pa
 
     whole, chunked = saved(1 << 20, str(tmp_path / "a")), saved(7, str(tmp_path / "b"))
     assert bool(whole.any()) and torch.equal(whole, chunked)
+
+
+def test_a_sketch_whose_kernels_fail_to_build_warns_and_counts_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from embcache import sketch_kernels
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("LLVM says no")
+
+    monkeypatch.setattr(sketch_kernels, "_KERNELS", {})  # not tried yet in this test
+    monkeypatch.setattr(sketch_kernels, "_build", broken)
+    sketch = FrequencySketch(1 << 10)
+    keys = torch.tensor([5, 6, 7])
+    with pytest.warns(UserWarning, match="compiled kernels are unavailable.*LLVM says no"):
+        got = sketch.add_and_estimate(keys, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    assert not sketch._compiled()  # tried once: no second warning, no second try
+    assert torch.equal(got, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
