@@ -248,8 +248,9 @@ class FrequencySketch:
         self.counts = (host_zeros((depth * width,), torch.float32) if self.device.type == "cpu"
                        else torch.zeros(depth * width, dtype=torch.float32, device=self.device))
         self._offsets = (torch.arange(depth, device=self.device) * width).unsqueeze(1)
-        self._seeds = torch.tensor(self._SEEDS[:depth], dtype=torch.int64, device=self.device).unsqueeze(1)
-        self._salts = np.array([s * 0x9E3779B9 for s in self._SEEDS[:depth]], dtype=np.int64)  # what _cells xors
+        # what each row's hash xors a key with: the compiled kernels take the array, _cells its rows
+        self._salts = np.array([s * 0x9E3779B9 for s in self._SEEDS[:depth]], dtype=np.int64)
+        self._salt_rows = torch.from_numpy(self._salts).to(self.device).unsqueeze(1)
 
     def _compiled(self) -> bool:
         # the compiled kernels (embcache/sketch_kernels.py): counters on the host, numba present
@@ -261,7 +262,7 @@ class FrequencySketch:
     def _cells(self, keys: torch.Tensor) -> torch.Tensor:
         """Flat counter positions [depth, n] of ``keys``."""
         keys = keys.to(self.device)
-        h = mix64(keys.unsqueeze(0) ^ (self._seeds * 0x9E3779B9))
+        h = mix64(keys.unsqueeze(0) ^ self._salt_rows)
         return (h & (self.width - 1)) + self._offsets
 
     def add(self, keys: torch.Tensor, amounts: torch.Tensor) -> None:

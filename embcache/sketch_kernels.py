@@ -24,13 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from ._bits import M1, M2
-
 __all__ = ["add_and_estimate", "available", "estimate", "raise_to"]
 
 _AHEAD = 8  # keys whose counters are prefetched ahead
-_M1_U64, _M2_U64 = np.uint64(M1), np.uint64(M2)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _KERNELS: dict[str, Any] = {}
 
 
@@ -39,6 +35,7 @@ def _prefetch_py(counts: Any, idx: Any) -> None:
 
 
 _prefetch: Any = _prefetch_py  # rebound to LLVM's prefetch by _build()
+_mix: Any = None  # the key index's compiled mix64 (index/numba_index.py), bound by _build()
 
 
 def _cells_py(keys: Any, salts: Any, width: Any, cells: Any) -> None:  # pragma: no cover - compiled
@@ -46,13 +43,8 @@ def _cells_py(keys: Any, salts: Any, width: Any, cells: Any) -> None:  # pragma:
     xor the row's salt, masked to the width, offset by the row)."""
     mask = np.uint64(width - 1)
     for i in range(keys.shape[0]):
-        k = np.uint64(keys[i])
         for r in range(salts.shape[0]):
-            x = k ^ np.uint64(salts[r])
-            x = (x ^ (x >> _S30)) * _M1_U64
-            x = (x ^ (x >> _S27)) * _M2_U64
-            x = x ^ (x >> _S31)
-            cells[i, r] = r * width + np.int64(x & mask)
+            cells[i, r] = r * width + np.int64(_mix(keys[i] ^ salts[r]) & mask)
 
 
 def _min_of_py(counts: Any, cells: Any, i: Any) -> Any:
@@ -122,10 +114,10 @@ _ahead: Any = _ahead_py
 
 
 def _build() -> dict[str, Any]:
-    global _prefetch, _cells, _min_of, _prefetch_row, _raise, _ahead
+    global _prefetch, _mix, _cells, _min_of, _prefetch_row, _raise, _ahead
     import numba
 
-    from .index.numba_index import _prefetch_intrinsic
+    from .index.numba_index import _hash_py, _prefetch_intrinsic
 
     inline = numba.njit(cache=True, nogil=True, inline="always")
     try:
@@ -134,6 +126,7 @@ def _build() -> dict[str, Any]:
         numba.njit(nogil=True)(lambda a: _prefetch(a, (0,)))(np.zeros(1, np.float32))  # an LLVM without it: none
     except Exception:
         _prefetch = inline(_prefetch_py)
+    _mix = inline(_hash_py)
     _cells = numba.njit(nogil=True, cache=True)(_cells_py)
     _min_of, _prefetch_row = inline(_min_of_py), inline(_prefetch_row_py)
     _ahead = inline(_ahead_py)
