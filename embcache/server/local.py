@@ -216,18 +216,16 @@ class LocalServer:
     def close(self) -> None:
         """Stop the server (:meth:`stop`, killed if that fails) and remove the work directory made
         for it (a ``workdir`` given stays; the store at ``path`` always stays)."""
+        self._end(remove_dir=self._own_dir)
+
+    def _end(self, remove_dir: bool) -> None:
         try:
             self.stop()
         finally:
             self.kill()
-            if self._own_dir:
+            if remove_dir:
                 shutil.rmtree(self._dir, ignore_errors=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # keep the work directory: its log tells what went wrong
-            self.stop()
-        finally:
-            self.kill()
+        # left by an exception: keep the work directory, whose log tells what went wrong
+        self._end(remove_dir=self._own_dir and exc_type is None)
