@@ -77,13 +77,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import sketch_kernels
+from . import score_kernels, sketch_kernels
 from ._bits import mix64
 from .config import ScoreFn
 from .hostmem import host_zeros
 
 __all__ = ["DEFAULT_HALFLIFE_ROWS", "DEFAULT_IDLE_HALVING", "Clock", "FrequencySketch", "Policy", "default_halflife",
-           "idle_discount_rate", "make_policy"]
+           "discounted_scores", "idle_discount_rate", "make_policy"]
 
 # Rescale all frequencies when the per-access increment passes this (float64 keeps ~2**-12
 # relative precision of the oldest counts at that ratio, and never overflows).
@@ -107,13 +107,24 @@ class Policy:
 
     ``score(freq, last, clock)`` gives the float64 scores of rows with aged frequencies ``freq``
     (float32, as the tiers keep them, or float64) and last-access ticks ``last`` at the table's
-    ``clock`` (the larger, the longer a row stays).
+    ``clock`` (the larger, the longer a row stays). ``gathered``, where set, is the same score of
+    the rows at ``slots`` of a tier's ``freq`` and ``last`` columns, read where they lie
+    (:meth:`score_at` falls back to ``score`` of gathered copies).
     """
 
     name: str
     score: Callable[[torch.Tensor, torch.Tensor, Clock], torch.Tensor]
     admission: bool
     aging: bool
+    gathered: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Clock], torch.Tensor | None] | None = None
+
+    def score_at(self, freq: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, clock: Clock) -> torch.Tensor:
+        """Scores (float64 [n]) of the rows at ``slots`` (int64 [n]) of a tier's ``freq`` and ``last``."""
+        if self.gathered is not None:
+            out = self.gathered(freq, last, slots, clock)
+            if out is not None:
+                return out
+        return self.score(freq.index_select(0, slots), last.index_select(0, slots), clock)
 
 
 def _score_freq(freq: torch.Tensor, last: torch.Tensor, clock: Clock) -> torch.Tensor:
@@ -134,15 +145,38 @@ def idle_discount_rate(clock: Clock, idle_halving: float) -> float:
     return _LN2 * _LN2 / (clock.halflife * idle_halving * clock.increment())
 
 
+def discounted_scores(freq: torch.Tensor, last: torch.Tensor, now: int, a: float) -> torch.Tensor:
+    """``freq * exp(-a * freq * max(now - last, 0))`` in float64, in torch operations (any device)."""
+    freq = freq.to(torch.float64)  # the tiers keep float32
+    if a == 0.0 or freq.numel() == 0:
+        return freq
+    idle = (now - last).to(torch.float64).clamp_(min=0)
+    return freq * torch.exp(idle.mul_(freq).mul_(-a))
+
+
+def _on_host(*tensors: torch.Tensor) -> bool:
+    # the compiled scoring (embcache/score_kernels.py) applies: host tensors, numba present
+    return all(t.device.type == "cpu" for t in tensors) and score_kernels.available()
+
+
 def _score_discounted(idle_halving: float) -> Callable[[torch.Tensor, torch.Tensor, Clock], torch.Tensor]:
     def score(freq: torch.Tensor, last: torch.Tensor, clock: Clock) -> torch.Tensor:
         a = idle_discount_rate(clock, idle_halving)
-        freq = freq.to(torch.float64)  # the tiers keep float32
-        if a == 0.0 or freq.numel() == 0:
-            return freq
-        idle = (clock.now - last).to(torch.float64).clamp_(min=0)
-        return freq * torch.exp(idle.mul_(freq).mul_(-a))
+        if a != 0.0 and freq.numel() and _on_host(freq, last):
+            return score_kernels.discounted(freq.numpy(), last.numpy(), clock.now, a)
+        return discounted_scores(freq, last, clock.now, a)
     return score
+
+
+def _score_discounted_at(idle_halving: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Clock],
+                                                          torch.Tensor | None]:
+    def score_at(freq: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, clock: Clock) -> torch.Tensor | None:
+        a = idle_discount_rate(clock, idle_halving)
+        if a == 0.0 or not _on_host(freq, last, slots):
+            return None
+        return score_kernels.discounted_at(freq.numpy(), last.numpy(), slots.to(torch.int64).contiguous().numpy(),
+                                           clock.now, a)
+    return score_at
 
 
 def make_policy(spec: str | ScoreFn, admission: bool, idle_halving: float = DEFAULT_IDLE_HALVING) -> Policy:
@@ -162,7 +196,8 @@ def make_policy(spec: str | ScoreFn, admission: bool, idle_halving: float = DEFA
 
         return Policy("custom", _score_user, admission, aging=True)
     table = {
-        "lrfu": Policy("lrfu", _score_discounted(idle_halving), admission, aging=True),
+        "lrfu": Policy("lrfu", _score_discounted(idle_halving), admission, aging=True,
+                       gathered=_score_discounted_at(idle_halving)),
         "lfu": Policy("lfu", _score_freq, admission, aging=False),
         "lru": Policy("lru", _score_last, False, aging=False),
     }

@@ -19,10 +19,11 @@ compares the two on the same calls.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
+
+from ._compiled import compile_once, prefetch
 
 __all__ = ["add_and_estimate", "available", "estimate", "raise_to"]
 
@@ -30,11 +31,7 @@ _AHEAD = 8  # keys whose counters are prefetched ahead
 _KERNELS: dict[str, Any] = {}
 
 
-def _prefetch_py(counts: Any, idx: Any) -> None:
-    pass
-
-
-_prefetch: Any = _prefetch_py  # rebound to LLVM's prefetch by _build()
+_prefetch: Any = None  # LLVM's prefetch, bound by _build() (embcache._compiled.prefetch)
 _mix: Any = None  # the key index's compiled mix64 (index/numba_index.py), bound by _build()
 
 
@@ -117,15 +114,10 @@ def _build() -> dict[str, Any]:
     global _prefetch, _mix, _cells, _min_of, _prefetch_row, _raise, _ahead
     import numba
 
-    from .index.numba_index import _hash_py, _prefetch_intrinsic
+    from .index.numba_index import _hash_py
 
     inline = numba.njit(cache=True, nogil=True, inline="always")
-    try:
-        prefetch = _prefetch_intrinsic(numba)
-        _prefetch = prefetch
-        numba.njit(nogil=True)(lambda a: _prefetch(a, (0,)))(np.zeros(1, np.float32))  # an LLVM without it: none
-    except Exception:
-        _prefetch = inline(_prefetch_py)
+    _prefetch = prefetch(numba)
     _mix = inline(_hash_py)
     _cells = numba.njit(nogil=True, cache=True)(_cells_py)
     _min_of, _prefetch_row = inline(_min_of_py), inline(_prefetch_row_py)
@@ -136,28 +128,21 @@ def _build() -> dict[str, Any]:
             "raise": numba.njit(nogil=True, cache=True)(_raise_keys_py)}
 
 
+def _build_and_run() -> dict[str, Any]:
+    kernels = _build()
+    counts, keys, salts = np.zeros(8, np.float32), np.arange(3, dtype=np.int64), np.ones(2, np.int64)
+    cells = _scratch(3, 2)
+    kernels["add"](counts, keys, np.ones(3), salts, 4, cells, np.empty(3, np.float32), np.empty(3))
+    kernels["estimate"](counts, keys, salts, 4, cells, np.empty(3))
+    kernels["raise"](counts, keys, salts, 4, cells, np.ones(3, np.float32))
+    return kernels
+
+
 def available() -> bool:
     """Whether the kernels can run: numba imports and compiles them (or loads them from its disk
     cache), tried once, here rather than in the middle of a lookup. Where numba is missing, or
     fails to compile them (a warning says why), the sketch uses its torch operations."""
-    if "ok" not in _KERNELS:
-        _KERNELS["ok"] = False
-        try:
-            kernels = _build()
-            counts, keys, salts = np.zeros(8, np.float32), np.arange(3, dtype=np.int64), np.ones(2, np.int64)
-            cells = _scratch(3, 2)
-            kernels["add"](counts, keys, np.ones(3), salts, 4, cells, np.empty(3, np.float32), np.empty(3))
-            kernels["estimate"](counts, keys, salts, 4, cells, np.empty(3))
-            kernels["raise"](counts, keys, salts, 4, cells, np.ones(3, np.float32))
-        except ImportError:
-            return False
-        except Exception as exc:  # a numba or LLVM that cannot build them: the torch operations
-            warnings.warn(f"embcache: the frequency sketch's compiled kernels are unavailable ({exc!r}); "
-                          "using torch operations", stacklevel=2)
-            return False
-        _KERNELS.update(kernels)
-        _KERNELS["ok"] = True
-    return bool(_KERNELS["ok"])
+    return compile_once(_KERNELS, _build_and_run, "frequency sketch's")
 
 
 def _scratch(n: int, depth: int) -> np.ndarray:

@@ -265,7 +265,7 @@ def plan_access(t: TableEngine, ddr_cands: torch.Tensor, staged: RowBatch) -> Pl
     ``staged`` rows compete for HBM; the rows HBM displaced and the staged rows it did not take
     compete for DDR; what loses there leaves memory (or stays out)."""
     n_d = ddr_cands.numel()
-    d_scores = t.policy.score(t.ddr.freq[ddr_cands], t.ddr.last[ddr_cands], t.clock)
+    d_scores = t.policy.score_at(t.ddr.freq, t.ddr.last, ddr_cands, t.clock)
     s_scores = t.policy.score(staged.freq, staged.last, t.clock)
     # 1. HBM: promote the best of (DDR rows accessed, staged rows), through its window if it has one
     cand_scores = torch.cat([d_scores, s_scores])

@@ -220,8 +220,7 @@ class TableEngine:
     def scores_of(self, tier: MemoryTier) -> ScoreOf:
         """The policy's scores of resident rows of ``tier`` at ``slots``."""
         def score(slots: torch.Tensor) -> torch.Tensor:
-            return self.policy.score(tier.freq.index_select(0, slots), tier.last.index_select(0, slots),
-                                     self.clock)
+            return self.policy.score_at(tier.freq, tier.last, slots, self.clock)
         return score
 
     def generator_for(self, tier: MemoryTier) -> torch.Generator:
