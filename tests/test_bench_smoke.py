@@ -362,3 +362,19 @@ def test_bench_cache_runs_as_a_script() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cache.py"), "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "--out" in out.stdout and "--sweep" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["score", "sketch"])
+def test_ab_kernels_times_both_modes_and_leaves_the_kernels_on(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import ab_kernels
+    from embcache import score_kernels, sketch_kernels
+
+    module = score_kernels if case == "score" else sketch_kernels
+    assert ab_kernels.main([case, "--ids", "20000", "--batch", "1024", "--lookups", "8"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"{case} kernels on ", f"{case} kernels off"]
+    for line in lines:
+        assert "(4 lookups, thread CPU time)" in line
+        site_ms = float(line.split(" ms a lookup")[0].rsplit(" ", 1)[1])
+        assert site_ms > 0  # the call site was timed in both modes
+    assert module.available()  # switched back on
