@@ -653,6 +653,12 @@ def _server_parser() -> argparse.ArgumentParser:
 _FLAGS: dict[str, set[str]] = {}
 
 
+# the benchmark and profiling scripts run as ``bench/NAME.py`` that take flags (those without, such
+# as readme.py, name no flag a sentence beside them could mean)
+_BENCH_SCRIPTS = sorted(p for p in (ROOT / "bench").glob("*.py")
+                        if not p.name.startswith("_") and ".add_argument(" in p.read_text())
+
+
 def _flag_sets() -> dict[str, set[str]]:
     """Command -> its flags: the real parsers where a function builds them, else the scripts' add_argument calls."""
     if not _FLAGS:
@@ -673,7 +679,7 @@ def _flag_sets() -> dict[str, set[str]]:
         _FLAGS["python -m bench"] = _ast_flags(ROOT / "bench" / "__main__.py")
         _FLAGS["python -m bench.ab"] = _ast_flags(ROOT / "bench" / "ab.py")
         _FLAGS["demo"] = _ast_flags(ROOT / "embcache" / "demo.py")
-        for path in (ROOT / "bench").glob("bench_*.py"):
+        for path in _BENCH_SCRIPTS:
             _FLAGS[f"bench/{path.name}"] = _ast_flags(path)
     return _FLAGS
 
@@ -691,7 +697,7 @@ COMMANDS: list[tuple[re.Pattern[str], str | None]] = [
     (re.compile(r"\./dev demo\b|embcache-demo\b|python3? -m embcache(?![.\w-])"), "demo"),
     (re.compile(r"\b[Tt]he server\b|\bserver's\b"), "embcache-server"),
     *((re.compile(r"\b(?:bench/)?" + re.escape(p.name)), f"bench/{p.name}")
-      for p in sorted((ROOT / "bench").glob("bench_*.py"))),
+      for p in _BENCH_SCRIPTS),
     (re.compile(r"\b(?:kubectl|pip|docker|torchrun|mkdocs|curl|helm|promtool|git|grpcurl|sed|uv)\b"), None),
 ]
 FLAG = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
