@@ -31,10 +31,9 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from embcache import CacheConfig, EmbeddingCache, TableConfig, score_kernels, sketch_kernels  # noqa: E402
+from bench.profile_tiered import tiered_cache, zipf_batches  # noqa: E402
 from embcache import policy as policy_mod  # noqa: E402
-from embcache.optim import state_width  # noqa: E402
-from embcache.tier import resident_row_bytes  # noqa: E402
+from embcache import score_kernels, sketch_kernels  # noqa: E402
 
 # what each case switches: the module whose kernels are on or off, and the call sites it times
 _CASES: dict[str, tuple[Any, list[tuple[Any, str]]]] = {
@@ -77,30 +76,23 @@ def main(argv: list[str]) -> int:
                 site_time[mode[0]] += time.thread_time() - t0
         return call
 
-    rng = np.random.default_rng(0)
-    p = 1.0 / np.arange(1, args.ids + 1) ** 1.1
-    p /= p.sum()
-    ids = (np.arange(args.ids, dtype=np.int64) * np.int64(0x1E3779B97F4A7C15)) ^ np.int64(12345)
-    dim = 64
-    rb = resident_row_bytes(dim, torch.float32, state_width("rowwise_adagrad", dim), "cpu")
+    draw = zipf_batches(args.ids, args.batch)
     lookups: dict[bool, list[float]] = {True: [], False: []}
     try:
         for owner, name, fn in originals:
             setattr(owner, name, timed(fn))
-        with tempfile.TemporaryDirectory() as d:
-            cfg = CacheConfig(hbm_bytes=args.ids // 100 * rb, ddr_bytes=args.ids // 10 * rb, path=d, device="cpu")
-            with EmbeddingCache(cfg, [TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad", lr=0.01)]) as cache:
-                for i in range(60):  # warm-up, both modes
-                    set_mode(i % 2 == 0)
-                    cache.lookup("t", torch.from_numpy(ids[rng.choice(args.ids, args.batch, p=p)]))
-                site_time[True] = site_time[False] = 0.0
-                for i in range(args.lookups):
-                    first = i < args.lookups // 2  # the first half starts with the kernels on, the second off
-                    set_mode((i % 2 == 0) == first)
-                    keys = torch.from_numpy(ids[rng.choice(args.ids, args.batch, p=p)])
-                    t0 = time.thread_time()
-                    cache.lookup("t", keys)
-                    lookups[mode[0]].append(time.thread_time() - t0)
+        with tempfile.TemporaryDirectory() as d, tiered_cache(args.ids, 64, d) as cache:
+            for i in range(60):  # warm-up, both modes
+                set_mode(i % 2 == 0)
+                cache.lookup("t", draw())
+            site_time[True] = site_time[False] = 0.0
+            for i in range(args.lookups):
+                first = i < args.lookups // 2  # the first half starts with the kernels on, the second off
+                set_mode((i % 2 == 0) == first)
+                keys = draw()
+                t0 = time.thread_time()
+                cache.lookup("t", keys)
+                lookups[mode[0]].append(time.thread_time() - t0)
     finally:
         for owner, name, fn in originals:
             setattr(owner, name, fn)

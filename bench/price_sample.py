@@ -33,11 +33,9 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from bench.profile_tiered import tiered_cache, zipf_batches  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
-from embcache import CacheConfig, EmbeddingCache, TableConfig  # noqa: E402
-from embcache.optim import state_width  # noqa: E402
 from embcache.sim import LrfuSim  # noqa: E402
-from embcache.tier import resident_row_bytes  # noqa: E402
 
 
 def price_in_sim(n_keys: int, n_accesses: int, samples: tuple[int, ...] = (64, 16, 4)) -> None:
@@ -55,27 +53,20 @@ def price_in_sim(n_keys: int, n_accesses: int, samples: tuple[int, ...] = (64, 1
 def price_in_cache(samples: tuple[int, ...], ids_n: int = 766_000, batch: int = 8192, lookups: int = 300) -> None:
     """Print each sample size's median lookup and hit ratios (see the module docstring)."""
     torch.set_num_threads(1)
-    rng = np.random.default_rng(0)
-    p = 1.0 / np.arange(1, ids_n + 1) ** 1.1
-    p /= p.sum()
-    ids = (np.arange(ids_n, dtype=np.int64) * np.int64(0x1E3779B97F4A7C15)) ^ np.int64(12345)
-    rb = resident_row_bytes(64, torch.float32, state_width("rowwise_adagrad", 64), "cpu")
+    draw = zipf_batches(ids_n, batch)
     times: dict[int, list[float]] = {s: [] for s in samples}
     with contextlib.ExitStack() as stack:
         caches = {}
         for s in samples:
             d = stack.enter_context(tempfile.TemporaryDirectory())
-            cfg = CacheConfig(hbm_bytes=ids_n // 100 * rb, ddr_bytes=ids_n // 10 * rb, path=d, device="cpu",
-                              eviction_sample=s, tune_policy=False)
-            caches[s] = stack.enter_context(EmbeddingCache(cfg, [TableConfig(name="t", dim=64,
-                                                                             optimizer="rowwise_adagrad", lr=0.01)]))
+            caches[s] = stack.enter_context(tiered_cache(ids_n, 64, d, eviction_sample=s, tune_policy=False))
         for _ in range(150):  # warm-up: the tiers fill
-            keys = torch.from_numpy(ids[rng.choice(ids_n, batch, p=p)])
+            keys = draw()
             for c in caches.values():
                 c.lookup("t", keys)
         before = {s: c.stats()["t"] for s, c in caches.items()}
         for i in range(lookups):
-            keys = torch.from_numpy(ids[rng.choice(ids_n, batch, p=p)])
+            keys = draw()
             for s in (samples if i % 2 == 0 else samples[::-1]):
                 t0 = time.thread_time()
                 caches[s].lookup("t", keys)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,23 +37,33 @@ from embcache.tier import resident_row_bytes  # noqa: E402
 IDS = 200_000
 
 
+def zipf_batches(n_ids: int, batch: int, seed: int = 0) -> Callable[[], torch.Tensor]:
+    """A draw of ``batch`` keys at a time from a Zipf(1.1) trace over ``n_ids`` ids (spread over
+    all 64 bits); the trace of this script, ``ab_kernels.py`` and ``price_sample.py``."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, n_ids + 1) ** 1.1
+    p /= p.sum()
+    ids = (np.arange(n_ids, dtype=np.int64) * np.int64(0x1E3779B97F4A7C15)) ^ np.int64(12345)
+
+    def draw() -> torch.Tensor:
+        return torch.from_numpy(ids[rng.choice(n_ids, batch, p=p)])
+    return draw
+
+
+def tiered_cache(n_ids: int, dim: int, path: str, **config: Any) -> EmbeddingCache:
+    """A CPU cache of one table ``t`` (row-wise AdaGrad, lr 0.01) with HBM 1% and DDR 10% of
+    ``n_ids`` rows; ``config``: more CacheConfig settings."""
+    rb = resident_row_bytes(dim, torch.float32, state_width("rowwise_adagrad", dim), "cpu")
+    cfg = CacheConfig(hbm_bytes=n_ids // 100 * rb, ddr_bytes=n_ids // 10 * rb, path=path, device="cpu", **config)
+    return EmbeddingCache(cfg, [TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad", lr=0.01)])
+
+
 def main(argv: list[str]) -> int:
     """Time the phases; see the module docstring."""
     torch.set_num_threads(1)
     batch, dim = (int(argv[0]), int(argv[1])) if len(argv) >= 2 else (8192, 64)
-    rng = np.random.default_rng(0)
-    p = 1.0 / np.arange(1, IDS + 1) ** 1.1
-    p /= p.sum()
-    ids = (np.arange(IDS, dtype=np.int64) * np.int64(0x1E3779B97F4A7C15)) ^ np.int64(12345)
-
-    def draw() -> torch.Tensor:
-        return torch.from_numpy(ids[rng.choice(IDS, batch, p=p)])
-
-    rb = resident_row_bytes(dim, torch.float32, state_width("rowwise_adagrad", dim), "cpu")
-    cfg = TableConfig(name="t", dim=dim, optimizer="rowwise_adagrad", lr=0.01)
-    with tempfile.TemporaryDirectory() as d, \
-            EmbeddingCache(CacheConfig(hbm_bytes=IDS // 100 * rb, ddr_bytes=IDS // 10 * rb, path=d, device="cpu"),
-                           [cfg]) as cache:
+    draw = zipf_batches(IDS, batch)
+    with tempfile.TemporaryDirectory() as d, tiered_cache(IDS, dim, d) as cache:
         for _ in range(60):
             cache.lookup("t", draw())
         engine = cache._tables["t"]
