@@ -42,9 +42,9 @@ def test_compiled_scores_are_the_torch_scores_bit_for_bit(n: int) -> None:
 
 
 def _lowest_of_a_tier(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if not compiled:
-        monkeypatch.setattr(score_kernels, "_KERNELS", {"ok": False})
-    try:
+    with monkeypatch.context() as m:
+        if not compiled:
+            m.setattr(score_kernels, "_KERNELS", {"ok": False})
         n, cap = 6000, 8192
         tier = MemoryTier(Tier.DDR, cap, 4, 1, torch.float32, torch.device("cpu"))
         g = torch.Generator().manual_seed(5)
@@ -65,8 +65,6 @@ def _lowest_of_a_tier(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> tuple[
             gen = torch.Generator().manual_seed(k)
             out.append(tier.lowest(k, scores_of, sample, exclude=slots[:300], generator=gen))
         return torch.cat([v for v, _ in out]), torch.cat([s for _, s in out])
-    finally:
-        monkeypatch.undo()
 
 
 def test_a_tiers_victims_and_their_scores_are_those_of_the_torch_operations(monkeypatch: pytest.MonkeyPatch) -> None:
