@@ -22,11 +22,12 @@ is reported per workload as ``batch_repeat_share``. So that the design to beat i
 for like, two more columns are measured: ``W-TinyLFU-batched`` (the same W-TinyLFU, counting a
 hit only when the key was cached at its batch's start, batches of ``--batch-size``) and
 ``embcache-lrfu-sim`` (embcache's policy replayed access by access by ``embcache.sim.LrfuSim``,
-like the sequential references). ``embcache-lrfu-tuned-sim`` is the same policy tuned online by
-miniature simulations (``embcache.sim.AdaptiveLrfuSim``, what the cache does with
-``CacheConfig.tune_policy``); its target is to stay within half a point of the best of LRU, LFU,
-ARC, W-TinyLFU and W-TinyLFU-adaptive in every cell (the summary lists it at 1%; the tables have
-every capacity).
+like the sequential references, sampling ``CacheConfig.eviction_sample`` residents per victim as
+the cache does). ``embcache-lrfu-tuned-sim`` is the same policy tuned online by miniature
+simulations (``embcache.sim.AdaptiveLrfuSim``, what the cache does with
+``CacheConfig.tune_policy``; it samples ``LrfuSim``'s default of 64 residents per victim); its
+target is to stay within half a point of the best of LRU, LFU, ARC, W-TinyLFU and
+W-TinyLFU-adaptive in every cell (the summary lists it at 1%; the tables have every capacity).
 
 The simulators' hit ratios are exact counts of one seeded trace; ``--seed`` changes the trace.
 The cache's are counts too, but not quite repeatable: its policy tuner (``CacheConfig.tune_policy``)
@@ -84,6 +85,7 @@ if str(_ROOT) not in sys.path:  # run as a script: make `bench` and `embcache` i
 
 from bench._common import format_ratio, machine_info  # noqa: E402
 from bench.workloads import WORKLOADS, Workload  # noqa: E402
+from embcache.config import CacheConfig  # noqa: E402
 from embcache.sim import (  # noqa: E402
     REFERENCE_POLICIES,
     LrfuSim,
@@ -109,6 +111,9 @@ _BATCHED_HITS = {
     "W-TinyLFU-adaptive": lambda tr, cap, b: wtinylfu_hits(tr, cap, adaptive=True, batch=b),
 }
 SEQUENTIAL_LRFU = "embcache-lrfu-sim"  # embcache's policy, access by access (embcache.sim.LrfuSim)
+# residents sampled per victim by SEQUENTIAL_LRFU: the cache's own factor, not the simulator's default
+# of 64, so that the row compares the policy the cache runs (bench/price_sample.py prices the two)
+CACHE_SAMPLE = CacheConfig().eviction_sample
 TUNED_LRFU = "embcache-lrfu-tuned-sim"  # the same, tuned online (embcache.sim.AdaptiveLrfuSim)
 # the baselines the tuned policy must stay within TUNED_SLACK of, each cell
 BASELINES = ("LRU", "LFU", "ARC", "W-TinyLFU", "W-TinyLFU-adaptive")
@@ -308,8 +313,8 @@ def run_workload(
     # (LrfuSim), like the sequential references.
     extra: dict[str, Any] = {f"{name}-batched": _per_batch(fn, batch_size) for name, fn in _BATCHED_HITS.items()}
     extra |= {
-        SEQUENTIAL_LRFU: lambda tr, cap: LrfuSim(cap).access(np.ascontiguousarray(tr, dtype=np.int64))
-        / max(tr.size, 1),
+        SEQUENTIAL_LRFU: lambda tr, cap: LrfuSim(cap, sample=CACHE_SAMPLE).access(
+            np.ascontiguousarray(tr, dtype=np.int64)) / max(tr.size, 1),
         TUNED_LRFU: adaptive_lrfu_hit_ratio,
     }
     for name, fn in extra.items():
