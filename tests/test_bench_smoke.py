@@ -281,6 +281,21 @@ def test_bench_policy_summary_has_every_workload_at_one_percent() -> None:
     assert args.policies == ["lrfu"] and args.workloads is None and args.capacities == fracs and args.jobs >= 1
 
 
+def test_bench_policy_counts_every_cell_against_the_best_baseline() -> None:
+    """The policy target holds at every capacity, not only the summary's: one cell 0.6 points under
+    the best baseline fails the row and is named; 0.4 points under is within the slack."""
+    fracs = [0.0025, 0.01]
+    hr = {b: [0.50, 0.70] for b in bench_policy.BASELINES} | {b: [0.50, 0.70] for b in bench_policy.BATCHED_BASELINES}
+    hr["W-TinyLFU-batched"] = [0.510, 0.70]
+    hr["embcache-lrfu"] = [0.506, 0.694]
+    hr[bench_policy.TUNED_LRFU] = [0.498, 0.70]
+    rows = bench_policy.every_cell_rows({"loop": {"hit_ratio": hr, "capacity_fractions": fracs}})
+    cache, tuned = rows
+    assert "1 of 2 cells" in cache["case"] and cache["ratio"] == 0.5 and cache["met"] is False
+    assert cache["reference"].endswith("outside: loop 1% -0.60")
+    assert "2 of 2 cells" in tuned["case"] and tuned["met"] is True and tuned["reference"].endswith("none")
+
+
 def test_bench_serving_attributes_each_lookup_to_what_ran_beside_it() -> None:
     """The server's apply phases come from its log line (time stamp at the end, then durations),
     and each lookup is labelled by the first activity it overlapped."""
