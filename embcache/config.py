@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,16 @@ _DEFAULT_EPS = {
     Optimizer.ADAM: 1e-8,
     Optimizer.ROWWISE_ADAGRAD_MOMENTUM: 1e-10,
 }
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A real number (int, float, or numpy's), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _enum_value(enum: type[Any], value: Any, field_name: str) -> Any:
@@ -311,23 +322,32 @@ class CacheConfig:
                 raise ConfigError(f"CacheConfig.device={self.device!r} but CUDA is not available; use 'cpu' or None")
         for name in ("hbm_bytes", "ddr_bytes"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            if value is not None and (not _is_int(value) or value < 0):
                 raise ConfigError(f"CacheConfig.{name}={value!r}: must be None or an int >= 0 (bytes)")
-        if self.halflife is not None and (not math.isfinite(self.halflife) or self.halflife <= 0):
+        # A flag given as a string ("false" in a server's TOML) would read as True: refuse it.
+        for name in ("admission", "reject_nonfinite", "validate_memory", "tune_policy", "lookups_create_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"CacheConfig.{name}={getattr(self, name)!r}: must be a bool (True or False)")
+        if not isinstance(self.store_options, Mapping):
+            raise ConfigError(f"CacheConfig.store_options={self.store_options!r}: must be a mapping of option names")
+        if self.halflife is not None and (not _is_real(self.halflife) or not math.isfinite(self.halflife)
+                                          or self.halflife <= 0):
             raise ConfigError(f"CacheConfig.halflife={self.halflife!r}: must be None or a finite number > 0")
-        if not (isinstance(self.idle_halving, (int, float)) and self.idle_halving > 0) or math.isnan(self.idle_halving):
+        if not (_is_real(self.idle_halving) and self.idle_halving > 0) or math.isnan(self.idle_halving):
             raise ConfigError(f"CacheConfig.idle_halving={self.idle_halving!r}: must be a number > 0 (math.inf: off)")
-        if self.sketch_width is not None and (self.sketch_width < 16 or self.sketch_width & (self.sketch_width - 1)):
+        if self.sketch_width is not None and (not _is_int(self.sketch_width) or self.sketch_width < 16
+                                              or self.sketch_width & (self.sketch_width - 1)):
             raise ConfigError(f"CacheConfig.sketch_width={self.sketch_width!r}: must be a power of two >= 16")
-        if self.eviction_sample < 1:
-            raise ConfigError(f"CacheConfig.eviction_sample={self.eviction_sample!r}: must be >= 1")
-        if self.mrc_sample_rate is not None and not 0.0 <= self.mrc_sample_rate <= 1.0:
+        if not _is_int(self.eviction_sample) or self.eviction_sample < 1:
+            raise ConfigError(f"CacheConfig.eviction_sample={self.eviction_sample!r}: must be an int >= 1")
+        if self.mrc_sample_rate is not None and (not _is_real(self.mrc_sample_rate)
+                                                 or not 0.0 <= self.mrc_sample_rate <= 1.0):
             raise ConfigError(f"CacheConfig.mrc_sample_rate={self.mrc_sample_rate!r}: must be None or in [0, 1]")
-        if isinstance(self.expiry_interval, bool) or not isinstance(self.expiry_interval, (int, float)) or not (
+        if not _is_real(self.expiry_interval) or not (
                 math.isfinite(self.expiry_interval) and self.expiry_interval > 0):
             raise ConfigError(f"CacheConfig.expiry_interval={self.expiry_interval!r}: must be a finite number > 0")
-        if self.max_batch_keys < 1:
-            raise ConfigError(f"CacheConfig.max_batch_keys={self.max_batch_keys!r}: must be >= 1")
+        if not _is_int(self.max_batch_keys) or self.max_batch_keys < 1:
+            raise ConfigError(f"CacheConfig.max_batch_keys={self.max_batch_keys!r}: must be an int >= 1")
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
             raise ConfigError(f"CacheConfig.path={self.path!r}: must be a non-empty path")
         object.__setattr__(self, "path", os.fspath(self.path))
