@@ -11,10 +11,11 @@ misses one at a time.
 Here the gathers and the arithmetic before the ``exp`` are one pass, with the records of the rows
 16 places on prefetched, so the misses overlap; the ``exp`` and the last product stay torch's, so
 the scores are :func:`embcache.policy.discounted_scores`' bit for bit (``tests/test_score_kernels.py``).
-Measured in one process, lookups alternating between this and the torch operations (the trace of
-``bench/profile_tiered.py`` over 766,000 ids, 240 lookups, thread CPU time, 8 runs): the scoring
-took 0.76-0.84 ms a lookup against 0.83-0.96 ms, and the median lookup 0.04-0.7 ms less in 6 runs
-of 8 (of 10-12 ms): a small gain, as the gathers' misses were most of the cost either way.
+Measured with ``bench/ab_kernels.py score`` (one process, lookups alternating between this and
+the torch operations, ``bench/profile_tiered.py``'s trace over 766,000 ids, thread CPU time, two
+runs): the scoring took 0.51-0.54 ms a lookup against 0.74-0.77 ms, and the median lookup was
+0.12-0.32 ms less of 9.6-10.4 ms: a small gain, as the gathers' misses were most of the cost
+either way.
 
 Choosing the lowest ``k`` of the scores stays torch's ``topk``: a numpy partition was 3x faster
 alone, on arrays in cache, and slower inside the lookup (0.7 against 0.47 ms), so it was dropped.
