@@ -363,9 +363,9 @@ class LrfuSim:
     a sampled victim costs O(sample) per miss instead of a scan of every resident. Measured
     against the exact minimum (``sample=None``) on the first six workloads of bench/bench_policy.py
     at 0.25%, 1% and 4% of 100k keys, 64 samples change the hit ratio by at most 0.03 points and
-    16 (the cache's factor per victim) by at most 0.15. On all ten workloads at 1M keys
-    (``bench/price_sample.py --sim``), 16 against 64 moves it by at most 0.2 points, except item
-    sessions at 1% (-0.49).
+    16 (the cache's factor per victim) by at most 0.15. On all ten workloads at 1M keys, at the
+    same capacities (``bench/price_sample.py --sim``), 16 against 64 moves it by at most 0.2
+    points, except item sessions at 1% (-0.49).
 
     Args:
         capacity: keys the cache holds.
